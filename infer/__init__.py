@@ -1,0 +1,1 @@
+"""Inference: KV caches, the offload engine, modes, generation."""

@@ -1,0 +1,118 @@
+"""Batched generation with a device KV cache (dense attention), greedy or sampled, streaming.
+
+The prompts of a batch may differ in length: they are right-padded, prefilled together, and
+each sequence then decodes at its own position (`forward_cached` writes each new token's K/V
+into its own slot before attending, so padding slots are overwritten before they are seen).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparda_jax.config import ModelConfig
+from sparda_jax.model import KVCache, forward, forward_cached
+
+__all__ = ["SamplingConfig", "generate", "sample_next"]
+
+PAD_MULTIPLE = 64  # prompts are padded to a multiple of this to bound recompilation
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """temperature 0 = greedy. top_p in (0, 1] keeps the smallest set of tokens whose
+    probability reaches top_p (nucleus sampling)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingConfig.top_p must lie in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
+    """logits [B, V] float32 -> token ids [B] int32."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        # keep a token if the mass before it is < top_p (the first token is always kept)
+        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(keep_sorted)
+        logits = jnp.where(keep, logits, -1e30)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "cache_size"))
+def _prefill(params, tokens, lengths, *, config: ModelConfig, dtype, cache_size: int):
+    logits, (k, v) = forward(params, tokens, config, dtype=dtype, return_kv=True)
+    pad = ((0, 0), (0, 0), (0, cache_size - tokens.shape[1]), (0, 0), (0, 0))
+    cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    return last, cache
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype"), donate_argnames=("cache",))
+def _decode(params, tokens, positions, cache, *, config: ModelConfig, dtype):
+    logits, cache = forward_cached(params, tokens[:, None], positions[:, None], cache, config, dtype=dtype)
+    return logits[:, 0], cache
+
+
+def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
+             *, stop_ids: Sequence[int] = (), dtype=jnp.float32,
+             on_step: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
+    """Generate for a batch of token-id prompts; returns the new tokens of each (stop token
+    excluded). `on_step(generated)` is called after every step with all tokens so far."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    t_pad = -(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE
+    cache_size = t_pad + sampling.max_new_tokens
+    if cache_size > config.max_position_embeddings:
+        raise ValueError(f"prompt ({lengths.max()} tokens, padded to {t_pad}) + max_new_tokens "
+                         f"({sampling.max_new_tokens}) exceeds the model's context "
+                         f"({config.max_position_embeddings})")
+    tokens = np.zeros((len(prompts), t_pad), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config=config,
+                             dtype=dtype, cache_size=cache_size)
+    key = jax.random.key(sampling.seed)
+    stop = set(int(s) for s in stop_ids)
+    out: list[list[int]] = [[] for _ in prompts]
+    done = np.zeros(len(prompts), bool)
+    positions = jnp.asarray(lengths)
+    for step in range(sampling.max_new_tokens):
+        key, sub = jax.random.split(key)
+        nxt = sample_next(logits, sub, sampling.temperature, sampling.top_p)
+        nxt_host = np.asarray(nxt)
+        for i, t in enumerate(nxt_host):
+            if done[i]:
+                continue
+            if int(t) in stop:
+                done[i] = True
+            else:
+                out[i].append(int(t))
+        if on_step is not None:
+            on_step(out)
+        if done.all() or step == sampling.max_new_tokens - 1:
+            break
+        logits, cache = _decode(params, nxt, positions, cache, config=config, dtype=dtype)
+        positions = positions + 1
+    return out

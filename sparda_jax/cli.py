@@ -1,0 +1,139 @@
+"""The `sparda` command.
+
+This is the one module that wires `sparda_jax.infer` and `sparda_jax.train` together; it
+imports them inside the subcommands so that `sparda --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+_DTYPES = ("float32", "bfloat16")
+
+
+def _load(args):
+    import jax.numpy as jnp
+
+    from .api import load_pretrained
+
+    t0 = time.perf_counter()
+    model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True)
+    print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return model
+
+
+def _cmd_generate(args) -> int:
+    from .infer.generate import SamplingConfig, generate
+
+    model = _load(args)
+    tok = model.tokenizer
+    if tok is None:
+        print("this checkpoint has no tokenizer; cannot generate from text", file=sys.stderr)
+        return 2
+    text = args.prompt if args.raw else tok.chat_prompt(args.prompt)
+    ids = tok.encode(text)
+    sampling = SamplingConfig(temperature=args.temperature, top_p=args.top_p,
+                              max_new_tokens=args.max_new_tokens, seed=args.seed)
+    printed = 0
+
+    def stream(generated):
+        nonlocal printed
+        s = tok.decode(generated[0])
+        # hold back a trailing partial UTF-8 character until the next token completes it
+        if s.endswith("\ufffd"):
+            return
+        sys.stdout.write(s[printed:])
+        sys.stdout.flush()
+        printed = len(s)
+
+    t0 = time.perf_counter()
+    out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
+                   dtype=model.dtype, on_step=stream)
+    dt = time.perf_counter() - t0
+    tail = tok.decode(out[0])[printed:]
+    sys.stdout.write(tail + "\n")
+    print(f"[{len(ids)} prompt tokens, {len(out[0])} new tokens in {dt:.1f} s]", file=sys.stderr)
+    return 0
+
+
+def _cmd_demo(args) -> int:
+    from .infer.demo import results_table, run_retrieval
+
+    model = _load(args)
+    results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
+                            seed=args.seed, log=lambda s: print(s, file=sys.stderr))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    print(results_table(results))
+    return 0
+
+
+def _cmd_info(args) -> int:
+    from .api import init_model
+    from .config import get_preset, preset_names
+    from .model import param_count
+
+    import jax
+
+    names = [args.model] if args.model else preset_names()
+    for n in names:
+        c = get_preset(n)
+        shapes = jax.eval_shape(lambda: init_model(c, jax.random.key(0)))
+        print(f"{n:16s} {c.arch:8s} layers {c.num_layers:3d} hidden {c.hidden_size:5d} heads "
+              f"{c.num_heads}/{c.num_kv_heads} d_h {c.head_dim} params {param_count(shapes) / 1e6:9.1f}M"
+              f"  [{c.source}]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparda", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def model_args(sp, default="smollm2-135m"):
+        sp.add_argument("--model", default=default,
+                        help="smollm2-135m, a .gguf file or an HF checkpoint directory")
+        sp.add_argument("--dtype", choices=_DTYPES, default="float32", help="compute dtype")
+
+    g = sub.add_parser("generate", help="generate text (streaming)")
+    model_args(g)
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=_cmd_generate)
+
+    d = sub.add_parser("demo", help="long-context retrieval on the default model (the README's main job)")
+    model_args(d)
+    d.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
+    d.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75],
+                   help="where the fact sits, as fractions of the context")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--json", help="write the results to this JSON file")
+    d.set_defaults(fn=_cmd_demo)
+
+    i = sub.add_parser("info", help="list the presets with their parameter counts")
+    i.add_argument("--model", help="one preset name")
+    i.set_defaults(fn=_cmd_info)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"sparda: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

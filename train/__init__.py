@@ -1,0 +1,1 @@
+"""Forecast training: data, train step, sharding, checkpoints."""

@@ -56,7 +56,7 @@ class RMSNorm(nn.Module):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(x.dtype)
+        return (y * scale.reshape((1,) * (x.ndim - 1) + (-1,))).astype(x.dtype)
 
 
 class MLP(nn.Module):
@@ -98,7 +98,7 @@ def rope_inv_freq(config: ModelConfig) -> tuple[jax.Array, float]:
 def rope_tables(config: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """cos, sin of shape [B, T, Dh/2] (float32) for int positions [B, T]."""
     inv, mag = rope_inv_freq(config)
-    ang = positions.astype(jnp.float32)[..., None] * inv
+    ang = positions.astype(jnp.float32)[..., None] * inv.reshape((1,) * positions.ndim + (-1,))
     return jnp.cos(ang) * mag, jnp.sin(ang) * mag
 
 
@@ -147,7 +147,7 @@ class DecoderLayer(nn.Module):
     def cis(self, v):
         """NOSA: v [B, T, K, Dh] -> cis [B, T, K] float32 (an additive attention-logit bias per key)."""
         flat = v.reshape(*v.shape[:2], -1).astype(jnp.float32)
-        return self.cis_A * jax.nn.softplus(self.cis_delta(flat))
+        return self.cis_A[None, None, :] * jax.nn.softplus(self.cis_delta(flat))
 
     def finish(self, x, attn):
         """attn [B, T, H, Dh] -> the layer's output [B, T, D]."""

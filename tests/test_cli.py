@@ -1,0 +1,36 @@
+"""The `sparda` command, end to end on the real model."""
+
+from __future__ import annotations
+
+import json
+
+from sparda_jax.cli import main
+
+
+def test_generate_streams_an_answer(capsys):
+    assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr()
+    assert "Paris" in out.out
+    assert "new tokens" in out.err
+
+
+def test_demo_finds_the_fact(tmp_path, capsys):
+    path = tmp_path / "demo.json"
+    assert main(["demo", "--context", "1024", "--depths", "0.5", "--json", str(path)]) == 0
+    results = json.loads(path.read_text())
+    assert len(results) == 1
+    r = results[0]
+    assert r["context_tokens"] == 1024
+    assert r["correct"], r
+    assert "dense | 1024 | 0.5 | True" in capsys.readouterr().out
+
+
+def test_info_lists_presets(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "minicpm4.1-8b" in out and "smollm2-135m" in out and "134.5M" in out
+
+
+def test_missing_model_is_a_clear_error(capsys, tmp_path):
+    assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
+    assert "neither a known model name" in capsys.readouterr().err

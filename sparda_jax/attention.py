@@ -128,3 +128,92 @@ def dense_attention(q, k, v, q_positions=None, *, bias=None,
     lengths = (q_positions[:, 0] + 1).astype(jnp.int32)
     return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
                                         implementation="cudnn")
+
+
+# ------------------------------------------------------------------------- block-sparse attention
+
+SparseImpl = Literal["xla"]
+
+
+def _check_block_ids(q, k, block_ids):
+    b, tq, h, _ = q.shape
+    kh = k.shape[2]
+    if block_ids.ndim != 4 or block_ids.shape[:3] != (b, kh, tq):
+        raise ValueError(f"block_ids must be [B, K, Tq, n] = [{b}, {kh}, {tq}, n], got {block_ids.shape}")
+    if not jnp.issubdtype(block_ids.dtype, jnp.integer):
+        raise TypeError(f"block_ids must be integer, got {block_ids.dtype}")
+
+
+def sparse_attention_reference(q, k, v, block_ids, q_positions, *, block_size: int = 64, bias=None,
+                               chunk: int = 32):
+    """Block-sparse GQA attention in plain jnp: each query attends to the tokens of its KV
+    head's selected blocks (ids < 0 are padding, repeated ids count once) that are at or
+    before its position. Chunked over queries: memory O(chunk * n * block_size).
+
+    q [B, Tq, H, D]; k, v [B, S, K, D]; block_ids int [B, K, Tq, n]; q_positions int [B, Tq];
+    bias optional float [B, S, K] added to each key's logit (NOSA's cis).
+    Returns [B, Tq, H, D] in q's dtype; a query with no visible key gets zeros.
+    """
+    _check_qkv(q, k, v, q_positions)
+    _check_block_ids(q, k, block_ids)
+    b, tq, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = h // kh
+    n = block_ids.shape[-1]
+    nb = -(-s // block_size)
+    pad = nb * block_size - s
+    kb = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, block_size, kh, d)
+    vb = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, block_size, kh, d)
+    biasb = None
+    if bias is not None:
+        biasb = jnp.pad(bias.astype(jnp.float32), ((0, 0), (0, pad), (0, 0))).reshape(b, nb, block_size, kh)
+    scale = 1.0 / math.sqrt(d)
+    # repeated ids count once: sort, then drop an id equal to its left neighbour
+    big = jnp.iinfo(jnp.int32).max
+    ids = jnp.sort(jnp.where(block_ids < 0, big, block_ids.astype(jnp.int32)), axis=-1)
+    dup = jnp.concatenate([jnp.zeros_like(ids[..., :1], bool), ids[..., 1:] == ids[..., :-1]], axis=-1)
+    ids = jnp.where(dup | (ids == big), -1, ids)
+    bi = jnp.arange(b)[:, None, None, None]
+    hi = jnp.arange(kh)[None, :, None, None]
+
+    def one_chunk(args):
+        qc, pc, ic = args  # [B, c, H, D], [B, c], [B, K, c, n]
+        c = qc.shape[1]
+        safe = jnp.clip(ic, 0, nb - 1)
+        ks = kb[bi, safe, :, hi].astype(jnp.float32)  # [B, K, c, n, bs, D]
+        vs = vb[bi, safe, :, hi].astype(jnp.float32)
+        tok = ic[..., None] * block_size + jnp.arange(block_size).reshape(1, 1, 1, 1, -1)  # [B, K, c, n, bs]
+        ok = (ic[..., None] >= 0) & (tok <= pc[:, None, :, None, None]) & (tok < s)
+        qg = qc.astype(jnp.float32).reshape(b, c, kh, g, d)
+        logits = jnp.einsum("BTKGD,BKTNSD->BKGTNS", qg, ks) * scale
+        if biasb is not None:
+            logits = logits + biasb[bi, safe, :, hi][:, :, None]
+        ok = ok[:, :, None]  # [B, K, 1, c, n, bs]
+        logits = jnp.where(ok, logits, NEG_INF)
+        m = jnp.max(logits, axis=(-2, -1), keepdims=True)
+        p = jnp.exp(logits - m) * ok
+        denom = jnp.maximum(jnp.sum(p, axis=(-2, -1), keepdims=True), 1e-30)
+        out = jnp.einsum("BKGTNS,BKTNSD->BTKGD", p / denom, vs)
+        return out.reshape(b, c, h, d)
+
+    c = min(chunk, tq)
+    nchunk = -(-tq // c)
+    padq = nchunk * c - tq
+    qs = jnp.moveaxis(jnp.pad(q, ((0, 0), (0, padq), (0, 0), (0, 0))).reshape(b, nchunk, c, h, d), 1, 0)
+    ps = jnp.moveaxis(jnp.pad(q_positions, ((0, 0), (0, padq)), constant_values=-1).reshape(b, nchunk, c), 1, 0)
+    is_ = jnp.moveaxis(jnp.pad(ids, ((0, 0), (0, 0), (0, padq), (0, 0)), constant_values=-1)
+                       .reshape(b, kh, nchunk, c, n), 2, 0)
+    out = jax.lax.map(one_chunk, (qs, ps, is_))  # [nchunk, B, c, H, D]
+    return jnp.moveaxis(out, 0, 1).reshape(b, nchunk * c, h, d)[:, :tq].astype(q.dtype)
+
+
+def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, bias=None,
+                     implementation: SparseImpl | None = None):
+    """Block-sparse attention over the selected blocks (see `sparse_attention_reference`).
+
+    implementation: "xla" (the jnp reference); None picks the fastest correct path for the
+    platform (today: xla everywhere).
+    """
+    if implementation in (None, "xla"):
+        return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
+    raise ValueError(f"unknown sparse attention implementation {implementation!r}")

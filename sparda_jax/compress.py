@@ -1,0 +1,97 @@
+"""Key compression: the mean of each full window of `kernel_size` tokens at `stride`.
+
+Chunk c covers tokens [c*stride, c*stride + kernel_size); only full windows exist, so a
+sequence of T tokens has N_c = (T - kernel_size) // stride + 1 chunks (0 if T < kernel_size).
+Chunk c is visible to a query at position p iff c*stride + kernel_size - 1 <= p.
+
+Decode keeps the compressed keys incrementally (`CompressedKeys`): a ring buffer of the last
+`kernel_size` keys; when the token at position p completes a window (p + 1 - kernel_size is a
+non-negative multiple of stride) the window's mean is written as chunk (p + 1 - kernel_size) /
+stride. This matches MiniCPM's tail buffer (emit the mean of l_c tokens, drop s_c) without
+reading the full cache, which in offload mode lives in host memory.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+__all__ = ["num_chunks", "compress_keys", "CompressedKeys", "chunk_visible"]
+
+
+def num_chunks(t: int, kernel_size: int, stride: int) -> int:
+    return 0 if t < kernel_size else (t - kernel_size) // stride + 1
+
+
+def chunk_visible(chunks: jax.Array, positions: jax.Array, kernel_size: int, stride: int) -> jax.Array:
+    """chunks int [N] and positions int [...] -> bool [..., N]: the chunk's window is complete
+    at or before the position."""
+    end = chunks * stride + (kernel_size - 1)
+    return end.reshape((1,) * positions.ndim + (-1,)) <= positions[..., None]
+
+
+def compress_keys(k: jax.Array, kernel_size: int = 32, stride: int = 16) -> jax.Array:
+    """k [B, T, K, D] -> kc [B, N_c, K, D] (the dtype of k; means accumulated in float32)."""
+    if k.ndim != 4:
+        raise ValueError(f"k must be [B, T, K, D], got shape {k.shape}")
+    if kernel_size < 1 or stride < 1:
+        raise ValueError(f"kernel_size and stride must be >= 1, got {kernel_size}, {stride}")
+    b, t, h, d = k.shape
+    n = num_chunks(t, kernel_size, stride)
+    if n == 0:
+        return jnp.zeros((b, 0, h, d), k.dtype)
+    s = jax.lax.reduce_window(k.astype(jnp.float32), 0.0, jax.lax.add, (1, kernel_size, 1, 1),
+                              (1, stride, 1, 1), "VALID")
+    return (s / kernel_size).astype(k.dtype)
+
+
+@struct.dataclass
+class CompressedKeys:
+    """Incremental compressed keys of one layer.
+
+    kc   [B, N_max, K, D]  chunk c valid iff its window ends at or before the last appended
+                           position (use `num_chunks(position + 1, ...)`); the rest is stale.
+    tail [B, kernel_size, K, D]  ring buffer: the key of position p sits in slot p % kernel_size.
+    """
+
+    kc: jax.Array
+    tail: jax.Array
+    kernel_size: int = struct.field(pytree_node=False)
+    stride: int = struct.field(pytree_node=False)
+
+    @classmethod
+    def from_keys(cls, k: jax.Array, max_len: int, kernel_size: int = 32, stride: int = 16,
+                  lengths: jax.Array | None = None) -> "CompressedKeys":
+        """Seed from prefill keys k [B, T, K, D] (positions 0..T-1) with room for `max_len`
+        tokens. `lengths` [B] (default T) are the real lengths of right-padded sequences.
+
+        Chunks whose window reaches into a sequence's padding are stale, but a chunk becomes
+        visible only when its window completes, and `append` rewrites it at that moment. The
+        ring buffer is filled from each sequence's own last keys.
+        """
+        b, t, h, d = k.shape
+        n_max = max(num_chunks(max_len, kernel_size, stride), 1)
+        kc = compress_keys(k, kernel_size, stride)
+        kc = jnp.pad(kc, ((0, 0), (0, n_max - kc.shape[1]), (0, 0), (0, 0)))
+        if lengths is None:
+            lengths = jnp.full((b,), t, jnp.int32)
+        # slot r holds the latest position p < length with p % kernel_size == r
+        r = jnp.arange(kernel_size)[None, :]
+        last = lengths[:, None] - 1
+        p = last - (last - r) % kernel_size  # [B, l]
+        tail = jnp.take_along_axis(k, jnp.clip(p, 0, t - 1)[:, :, None, None], axis=1)
+        tail = jnp.where((p >= 0)[:, :, None, None], tail, 0).astype(k.dtype)
+        return cls(kc, tail, kernel_size, stride)
+
+    def append(self, k_new: jax.Array, positions: jax.Array) -> "CompressedKeys":
+        """Append one key per sequence: k_new [B, K, D] at positions int [B]."""
+        l, s = self.kernel_size, self.stride
+        rows = jnp.arange(k_new.shape[0])
+        tail = self.tail.at[rows, positions % l].set(k_new.astype(self.tail.dtype))
+        start = positions + 1 - l
+        done = (start >= 0) & (start % s == 0)
+        c = jnp.where(done, start // s, self.kc.shape[1])  # out of range: dropped
+        mean = jnp.mean(tail.astype(jnp.float32), axis=1).astype(self.kc.dtype)
+        kc = self.kc.at[rows, c].set(mean, mode="drop")
+        return self.replace(kc=kc, tail=tail)

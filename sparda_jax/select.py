@@ -1,0 +1,233 @@
+"""Block selection: the InfLLM-V2 selector, the SparDA Forecast selector, and NOSA's combine.
+
+Output layout (all selectors): int32 [B, K, Tq, topk], per (sequence, KV head, query) the
+selected 64-token block ids in ascending order, then -1 padding. All G query heads of a GQA
+group share their KV head's row.
+
+Pipeline per query at position p (SPEC.md sections 2, 3, 6):
+  chunk scores [.., N_c]  (-inf where chunk c is not yet complete: c*s + l - 1 > p)
+  -> block scores [.., N_b] (max over the chunks whose windows overlap the block; for
+     l=32, s=16, B=64 that is chunks 4k-1..4k+3, MiniCPM's max-pool (5, 4, pad 1))
+  -> forced blocks (+inf): init blocks and the local window q_blk - local_blocks .. q_blk
+  -> future blocks (k > q_blk) and blocks without a visible chunk are never chosen
+  -> top `topk` (forced included), ascending, -1 padded.
+Ties go to the lower block id (lax.top_k's order).
+
+Queries are processed in chunks (`q_chunk`) so memory is O(q_chunk * N_c), never [T, T].
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from .attention import NEG_INF
+from .compress import chunk_visible
+from .config import SparseConfig
+
+__all__ = [
+    "n_blocks_for",
+    "pool_to_blocks",
+    "finalize_topk",
+    "infllmv2_chunk_scores",
+    "forecast_chunk_scores",
+    "select_blocks_infllmv2",
+    "select_blocks_forecast",
+    "select_blocks_nosa",
+    "compress_cis",
+    "select_from_block_scores",
+]
+
+INF = jnp.inf
+
+
+def n_blocks_for(n_chunks: int, sparse: SparseConfig) -> int:
+    """Blocks that queries consistent with `n_chunks` compressed keys can reach.
+
+    kc built from T keys has N_c = (T - l)//s + 1 chunks, so T < N_c*s + l and every query
+    position p <= T - 1 lies in a block < (N_c*s + l - 2)//B + 1.
+    """
+    return (n_chunks * sparse.kernel_stride + sparse.kernel_size - 2) // sparse.block_size + 1
+
+
+def pool_to_blocks(scores: jax.Array, n_blocks: int, sparse: SparseConfig) -> jax.Array:
+    """Chunk scores [..., N_c] (-inf = invisible) -> block scores [..., n_blocks] (max over
+    the chunks overlapping each block; -inf where none is visible)."""
+    r = sparse.block_size // sparse.kernel_stride
+    left = (sparse.kernel_size - 1) // sparse.kernel_stride  # chunks starting before the block
+    need = n_blocks * r
+    n = scores.shape[-1]
+    if n >= need:
+        x = scores[..., :need]
+    else:
+        x = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, need - n)], constant_values=-INF)
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(left, 0)], constant_values=-INF)
+    window = (1,) * (x.ndim - 1) + (r + left,)
+    strides = (1,) * (x.ndim - 1) + (r,)
+    return jax.lax.reduce_window(x, -INF, jax.lax.max, window, strides, "VALID")
+
+
+def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
+                  sparse: SparseConfig, force: bool = True) -> jax.Array:
+    """Block scores [B, K, tq, N_b] -> ids [B, K, tq, topk] (forced, causal, sorted, -1 padded)."""
+    nb = block_scores.shape[-1]
+    q_blk = jnp.where(q_positions >= 0, q_positions // sparse.block_size, -1)[:, None, :, None]
+    k = jnp.arange(nb).reshape(1, 1, 1, nb)
+    candidate = k <= q_blk
+    s = jnp.where(candidate, block_scores, -INF)
+    if force:
+        forced = candidate & ((k < sparse.init_blocks) | (k >= q_blk - sparse.local_blocks))
+        s = jnp.where(forced, INF, s)
+    if nb < topk:
+        s = jnp.pad(s, [(0, 0)] * 3 + [(0, topk - nb)], constant_values=-INF)
+    vals, idx = jax.lax.top_k(s, topk)
+    big = jnp.iinfo(jnp.int32).max
+    idx = jnp.where(vals == -INF, big, idx.astype(jnp.int32))
+    idx = jnp.sort(idx, axis=-1)
+    return jnp.where(idx == big, -1, idx)
+
+
+def infllmv2_chunk_scores(q, kc, q_positions, sparse: SparseConfig, kc_coarse=None) -> jax.Array:
+    """q [B, tq, H, D], kc [B, N_c, K, D] -> [B, K, tq, N_c] float32: per query head a softmax
+    over the visible chunks, summed over the G heads of the group (not divided by G);
+    -inf where invisible.
+
+    kc_coarse: MiniCPM4's approximation. Each head's log-sum-exp is taken over these coarser
+    compressed keys (window sparse.coarse_lse_kernel, stride sparse.coarse_lse_stride) instead
+    of over kc; where no coarse chunk is visible yet, the exact LSE is used.
+    """
+    b, tq, h, d = q.shape
+    n, kh = kc.shape[1], kc.shape[2]
+    g = h // kh
+    scale = 1.0 / math.sqrt(d)
+    qg = q.astype(jnp.float32).reshape(b, tq, kh, g, d)
+    logits = jnp.einsum("BTKGD,BNKD->BKGTN", qg, kc.astype(jnp.float32)) * scale
+    vis = chunk_visible(jnp.arange(n), q_positions, sparse.kernel_size, sparse.kernel_stride)
+    vis = vis[:, None, None]  # [B, 1, 1, tq, N]
+    masked = jnp.where(vis, logits, NEG_INF)
+    m = jnp.max(masked, axis=-1, keepdims=True)
+    e = jnp.exp(masked - m) * vis
+    lse = m + jnp.log(jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30))
+    if kc_coarse is not None:
+        n2 = kc_coarse.shape[1]
+        l2 = jnp.einsum("BTKGD,BNKD->BKGTN", qg, kc_coarse.astype(jnp.float32)) * scale
+        vis2 = chunk_visible(jnp.arange(n2), q_positions, sparse.coarse_lse_kernel,
+                             sparse.coarse_lse_stride)[:, None, None]
+        m2 = jnp.max(jnp.where(vis2, l2, NEG_INF), axis=-1, keepdims=True)
+        s2 = jnp.sum(jnp.exp(jnp.where(vis2, l2, NEG_INF) - m2) * vis2, axis=-1, keepdims=True)
+        any2 = jnp.any(vis2, axis=-1, keepdims=True)
+        lse = jnp.where(any2, m2 + jnp.log(jnp.maximum(s2, 1e-30)), lse)
+    p = jnp.exp(masked - lse) * vis
+    return jnp.where(vis[:, 0], jnp.sum(p, axis=2), -INF)
+
+
+def forecast_chunk_scores(f, kc, q_positions, sparse: SparseConfig) -> jax.Array:
+    """f [B, tq, K, D] (one head per group), kc [B, N_c, K, D] -> raw logits [B, K, tq, N_c]
+    float32, -inf where invisible. No softmax: it is monotone per row and the max-pool keeps
+    the order, so ranking raw logits selects the same blocks."""
+    d = f.shape[-1]
+    logits = jnp.einsum("BTKD,BNKD->BKTN", f.astype(jnp.float32), kc.astype(jnp.float32)) / math.sqrt(d)
+    vis = chunk_visible(jnp.arange(kc.shape[1]), q_positions, sparse.kernel_size, sparse.kernel_stride)
+    return jnp.where(vis[:, None], logits, -INF)
+
+
+def _check(x, kc, q_positions, heads_name):
+    if x.ndim != 4 or kc.ndim != 4:
+        raise ValueError(f"expected [B, Tq, {heads_name}, D] and kc [B, N_c, K, D]; got {x.shape}, {kc.shape}")
+    if x.shape[0] != kc.shape[0] or x.shape[-1] != kc.shape[-1]:
+        raise ValueError(f"batch or head dim mismatch: {x.shape} vs kc {kc.shape}")
+    if q_positions.shape != x.shape[:2]:
+        raise ValueError(f"q_positions must be [B, Tq] = {x.shape[:2]}, got {q_positions.shape}")
+    if not jnp.issubdtype(q_positions.dtype, jnp.integer):
+        raise TypeError(f"q_positions must be integer, got {q_positions.dtype}")
+
+
+def _map_query_chunks(fn, q_chunk: int, *arrays):
+    """Apply fn to query chunks of arrays [B, Tq, ...] and concatenate the outputs along the
+    Tq axis of their [B, K, Tq, ...] layout."""
+    tq = arrays[0].shape[1]
+    c = max(1, min(q_chunk, tq))
+    n = -(-tq // c)
+    pad = n * c - tq
+
+    def split(a, fill):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(a.reshape(a.shape[0], n, c, *a.shape[2:]), 1, 0)
+
+    # padded queries get position -1: no candidate blocks, rows of -1, sliced away below
+    xs = tuple(split(a, -1 if jnp.issubdtype(a.dtype, jnp.integer) else 0) for a in arrays)
+    out = jax.lax.map(lambda args: fn(*args), xs)  # [n, B, K, c, ...]
+    out = jnp.moveaxis(out, 0, 2)  # [B, K, n, c, ...]
+    out = out.reshape(*out.shape[:2], n * c, *out.shape[4:])
+    return out[:, :, :tq]
+
+
+def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
+                           n_blocks: int | None = None, q_chunk: int = 128) -> jax.Array:
+    """InfLLM-V2 selection from the true queries. q [B, Tq, H, D], kc [B, N_c, K, D] ->
+    int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
+    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is an error."""
+    _check(q, kc, q_positions, "H")
+    if not sparse.exact_lse and kc_coarse is None:
+        raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
+                         "coarse_lse_kernel / coarse_lse_stride)")
+    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+
+    def one(qc, pc):
+        s = infllmv2_chunk_scores(qc, kc, pc, sparse, kc_coarse if not sparse.exact_lse else None)
+        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
+
+    return _map_query_chunks(one, q_chunk, q, q_positions)
+
+
+def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
+                           q_chunk: int = 512) -> jax.Array:
+    """SparDA selection from the Forecast. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk]."""
+    _check(f, kc, q_positions, "K")
+    if f.shape[2] != kc.shape[2]:
+        raise ValueError(f"the Forecast has one head per KV head: f {f.shape} vs kc {kc.shape}")
+    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+
+    def one(fc, pc):
+        s = forecast_chunk_scores(fc, kc, pc, sparse)
+        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
+
+    return _map_query_chunks(one, q_chunk, f, q_positions)
+
+
+def compress_cis(cis, sparse: SparseConfig) -> jax.Array:
+    """NOSA: per-token cis [B, T, K] -> mean-pooled like the keys, [B, N_c, K] float32."""
+    from .compress import compress_keys
+
+    return compress_keys(cis.astype(jnp.float32)[..., None], sparse.kernel_size, sparse.kernel_stride)[..., 0]
+
+
+def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
+                       q_chunk: int = 128) -> jax.Array:
+    """NOSA's two stages. Query-aware: the InfLLM-V2 selection with budget
+    `sparse.nosa_qk_topk` (forced blocks included). Query-agnostic: those blocks get +inf in
+    the block-pooled compressed cis scores `cis_c` [B, N_c, K] (see `compress_cis`), and the
+    final set is the top `sparse.topk` of those. -> int32 [B, K, Tq, sparse.topk]."""
+    _check(q, kc, q_positions, "H")
+    if sparse.nosa_qk_topk is None:
+        raise ValueError("select_blocks_nosa needs sparse.nosa_qk_topk")
+    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    cis_t = jnp.transpose(cis_c.astype(jnp.float32), (0, 2, 1))  # [B, K, N_c]
+
+    def one(qc, pc):
+        s = infllmv2_chunk_scores(qc, kc, pc, sparse)
+        qk_ids = finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.nosa_qk_topk, sparse)
+        vis = chunk_visible(jnp.arange(cis_t.shape[-1]), pc, sparse.kernel_size, sparse.kernel_stride)
+        cs = jnp.where(vis[:, None], cis_t[:, :, None, :], -INF)  # [B, K, tq, N_c]
+        cb = pool_to_blocks(cs, nb, sparse)
+        chosen = jnp.any(qk_ids[..., None] == jnp.arange(nb).reshape(1, 1, 1, 1, nb), axis=-2)
+        return finalize_topk(jnp.where(chosen, INF, cb), pc, sparse.topk, sparse, force=False)
+
+    return _map_query_chunks(one, q_chunk, q, q_positions)
+
+
+def select_from_block_scores(block_scores, q_positions, sparse: SparseConfig) -> jax.Array:
+    """Top-k over precomputed block scores [B, K, Tq, N_b] (InfiniGen's speculated scores)."""
+    return finalize_topk(block_scores, q_positions, sparse.topk, sparse)

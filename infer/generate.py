@@ -1,7 +1,7 @@
 """Batched generation with a device KV cache (dense attention), greedy or sampled, streaming.
 
 The prompts of a batch may differ in length: they are right-padded, prefilled together, and
-each sequence then decodes at its own position (`forward_cached` writes each new token's K/V
+each sequence then decodes at its own position (`decode_step` writes each new token's K/V
 into its own slot before attending, so padding slots are overwritten before they are seen).
 """
 
@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.config import ModelConfig
-from sparda_jax.model import KVCache, forward, forward_cached
+from sparda_jax.modes import decode_step, prefill
 
 __all__ = ["SamplingConfig", "generate", "sample_next"]
 
@@ -59,26 +59,12 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype", "cache_size"))
-def _prefill(params, tokens, lengths, *, config: ModelConfig, dtype, cache_size: int):
-    logits, (k, v) = forward(params, tokens, config, dtype=dtype, return_kv=True)
-    pad = ((0, 0), (0, 0), (0, cache_size - tokens.shape[1]), (0, 0), (0, 0))
-    cache = KVCache(jnp.pad(k, pad), jnp.pad(v, pad))
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return last, cache
-
-
-@functools.partial(jax.jit, static_argnames=("config", "dtype"), donate_argnames=("cache",))
-def _decode(params, tokens, positions, cache, *, config: ModelConfig, dtype):
-    logits, cache = forward_cached(params, tokens[:, None], positions[:, None], cache, config, dtype=dtype)
-    return logits[:, 0], cache
-
-
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
-             *, stop_ids: Sequence[int] = (), dtype=jnp.float32,
-             on_step: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
-    """Generate for a batch of token-id prompts; returns the new tokens of each (stop token
-    excluded). `on_step(generated)` is called after every step with all tokens so far."""
+             *, stop_ids: Sequence[int] = (), dtype=jnp.float32, mode: str = "dense", forecast=None,
+             infinigen=None, on_step: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
+    """Generate for a batch of token-id prompts in any attention mode (`sparda_jax.MODES`);
+    returns the new tokens of each (stop token excluded). `on_step(generated)` is called after
+    every step with all tokens so far."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -91,8 +77,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    logits, cache = _prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config=config,
-                             dtype=dtype, cache_size=cache_size)
+    run = dict(mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype)
+    logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size, **run)
     key = jax.random.key(sampling.seed)
     stop = set(int(s) for s in stop_ids)
     out: list[list[int]] = [[] for _ in prompts]
@@ -113,6 +99,6 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
             on_step(out)
         if done.all() or step == sampling.max_new_tokens - 1:
             break
-        logits, cache = _decode(params, nxt, positions, cache, config=config, dtype=dtype)
+        logits, state = decode_step(params, nxt, positions, state, config, **run)
         positions = positions + 1
     return out

@@ -7,11 +7,28 @@ are the subpackages `sparda_jax.kernels`, `sparda_jax.train`, `sparda_jax.infer`
 from .api import Pretrained, init_model, load_pretrained
 from .attention import dense_attention
 from .config import ConfigError, ForecastConfig, LongRoPEConfig, ModelConfig, SparseConfig, get_preset, preset_names
-from .model import KVCache, forward, forward_cached, param_count
+from .compress import CompressedKeys, compress_keys
+from .forecast import forecast_param_count, init_forecast
+from .model import KVCache, param_count
+from .modes import MODES, DecodeState, decode_step, forward, forward_cached, prefill
+from .select import select_blocks_forecast, select_blocks_infllmv2, select_blocks_nosa
+from .attention import sparse_attention
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "MODES",
+    "CompressedKeys",
+    "DecodeState",
+    "compress_keys",
+    "decode_step",
+    "forecast_param_count",
+    "init_forecast",
+    "prefill",
+    "select_blocks_forecast",
+    "select_blocks_infllmv2",
+    "select_blocks_nosa",
+    "sparse_attention",
     "ConfigError",
     "ForecastConfig",
     "KVCache",

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 import importlib.util
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,8 @@ from .config import ModelConfig, get_preset
 from .io.gguf import load_gguf
 from .io.hf import load_hf
 from .io.tokenizer import Tokenizer
-from .model import forward, init_params
+from .model import init_params
+from .modes import forward
 
 __all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path"]
 
@@ -47,7 +47,6 @@ class Pretrained:
     params: Any
     tokenizer: Tokenizer | None
     dtype: Any = jnp.float32
-    _logits_fn: Any = field(default=None, repr=False)
 
     def logits(self, token_ids) -> jax.Array:
         """int32 [B, T] -> float32 [B, T, vocab], dense causal attention from position 0."""
@@ -58,9 +57,7 @@ class Pretrained:
             raise TypeError(f"token_ids must be integers, got {tokens.dtype}")
         if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        if self._logits_fn is None:
-            self._logits_fn = jax.jit(functools.partial(forward, config=self.config, dtype=self.dtype))
-        return self._logits_fn(self.params, tokens.astype(jnp.int32))
+        return forward(self.params, tokens.astype(jnp.int32), self.config, dtype=self.dtype)
 
 
 def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,

@@ -1,8 +1,8 @@
 """The backbone: Llama layout with MiniCPM's muP scales and LongRoPE.
 
 Flax linen modules define the parameters and the per-layer math; the model is run by pure
-functions over explicit pytrees (`forward`, `forward_cached`), with the layers stacked on a
-leading axis and scanned. A layer is split in two stages so that selection can sit between
+functions over explicit pytrees (`sparda_jax.modes`), with the layers stacked on a leading
+axis and scanned. A layer is split in two stages so that selection can sit between
 them: `DecoderLayer.project` (norm, Q/K/V, RoPE) and `DecoderLayer.finish` (output projection,
 residual, MLP). Parameter tree:
 
@@ -19,7 +19,7 @@ residual, MLP). Parameter tree:
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -39,8 +39,6 @@ __all__ = [
     "init_params",
     "embed",
     "unembed",
-    "forward",
-    "forward_cached",
     "param_count",
 ]
 
@@ -144,6 +142,10 @@ class DecoderLayer(nn.Module):
         k = apply_rope(self.k_proj(h), cos, sin)
         return h, q, k, self.v_proj(h)
 
+    def query(self, h, cos, sin):
+        """Queries from an already normed input h (InfiniGen feeds the previous layer's)."""
+        return apply_rope(self.q_proj(h), cos, sin)
+
     def cis(self, v):
         """NOSA: v [B, T, K, Dh] -> cis [B, T, K] float32 (an additive attention-logit bias per key)."""
         flat = v.reshape(*v.shape[:2], -1).astype(jnp.float32)
@@ -231,70 +233,10 @@ class KVCache:
         return self.k.shape[2]
 
 
-def _check_tokens(tokens, positions, config: ModelConfig):
+def check_tokens(tokens, positions):
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int [B, T], got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"tokens must be integer, got {tokens.dtype}")
     if positions is not None and positions.shape != tokens.shape:
         raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
-
-
-AttendFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
-
-
-def forward(params, tokens, config: ModelConfig, *, dtype: Dtype = jnp.float32,
-            attention_impl: str | None = None, return_kv: bool = False):
-    """Dense causal forward pass over whole sequences starting at position 0.
-
-    tokens int [B, T] -> float32 logits [B, T, vocab]; with return_kv also the stacked
-    post-RoPE keys and the values, each [L, B, T, K, Dh] (to seed a KVCache).
-    """
-    _check_tokens(tokens, None, config)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    cos, sin = rope_tables(config, positions)
-    layer = DecoderLayer(config, dtype=dtype)
-
-    def body(x, p):
-        v = {"params": p}
-        _, q, k, vv = layer.apply(v, x, cos, sin, method="project")
-        bias = layer.apply(v, vv, method="cis") if config.has_cis else None
-        attn = dense_attention(q, k, vv, bias=bias, implementation=attention_impl)
-        return layer.apply(v, x, attn, method="finish"), ((k, vv) if return_kv else None)
-
-    x, kv = jax.lax.scan(body, embed(params, tokens, config, dtype), params["layers"])
-    logits = unembed(params, x, config)
-    return (logits, kv) if return_kv else logits
-
-
-def forward_cached(params, tokens, positions, cache: KVCache, config: ModelConfig, *,
-                   dtype: Dtype = jnp.float32, attention_impl: str | None = None
-                   ) -> tuple[jax.Array, KVCache]:
-    """Run tokens [B, T] at absolute positions [B, T] against a KV cache.
-
-    Each layer first writes the new K/V into their slots, then attends over the whole cache
-    (key j visible iff j <= position): one function for prefill and decode. Slots beyond a
-    query's position are never read, so stale or padding entries there are harmless.
-    Returns float32 logits [B, T, vocab] and the updated cache.
-    """
-    _check_tokens(tokens, positions, config)
-    cos, sin = rope_tables(config, positions)
-    layer = DecoderLayer(config, dtype=dtype)
-    rows = jnp.arange(tokens.shape[0])[:, None]
-
-    def body(x, xs):
-        p, ck, cv = xs
-        v = {"params": p}
-        _, q, k, vv = layer.apply(v, x, cos, sin, method="project")
-        ck = ck.at[rows, positions].set(k.astype(ck.dtype))
-        cv = cv.at[rows, positions].set(vv.astype(cv.dtype))
-        # NOSA's cis is a function of v alone, so it is recomputed from the cached values.
-        bias = layer.apply(v, cv, method="cis") if config.has_cis else None
-        attn = dense_attention(q, ck.astype(q.dtype), cv.astype(q.dtype), positions, bias=bias,
-                               implementation=attention_impl)
-        return layer.apply(v, x, attn, method="finish"), (ck, cv)
-
-    x, (ks, vs) = jax.lax.scan(body, embed(params, tokens, config, dtype),
-                               (params["layers"], cache.k, cache.v))
-    return unembed(params, x, config), KVCache(ks, vs)

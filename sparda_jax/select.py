@@ -18,6 +18,7 @@ Queries are processed in chunks (`q_chunk`) so memory is O(q_chunk * N_c), never
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -36,6 +37,9 @@ __all__ = [
     "select_blocks_infllmv2",
     "select_blocks_forecast",
     "select_blocks_nosa",
+    "nosa_refine",
+    "select_blocks_infinigen",
+    "infinigen_chunk_scores",
     "compress_cis",
     "select_from_block_scores",
 ]
@@ -204,28 +208,66 @@ def compress_cis(cis, sparse: SparseConfig) -> jax.Array:
     return compress_keys(cis.astype(jnp.float32)[..., None], sparse.kernel_size, sparse.kernel_stride)[..., 0]
 
 
+def nosa_refine(qk_ids, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: int,
+                q_chunk: int = 128) -> jax.Array:
+    """NOSA's query-agnostic stage: the stage-1 blocks `qk_ids` [B, K, Tq, n1] get +inf in the
+    block-pooled compressed cis scores `cis_c` [B, N_c, K] (see `compress_cis`, visibility as
+    for keys), and the final set is their top `sparse.topk`. -> int32 [B, K, Tq, topk]."""
+    cis_t = jnp.transpose(cis_c.astype(jnp.float32), (0, 2, 1))  # [B, K, N_c]
+    qk_t = jnp.moveaxis(qk_ids, 2, 1)  # [B, Tq, K, n1] so it chunks along Tq
+
+    def one(idc, pc):
+        idc = jnp.moveaxis(idc, 1, 2)  # [B, K, tq, n1]
+        vis = chunk_visible(jnp.arange(cis_t.shape[-1]), pc, sparse.kernel_size, sparse.kernel_stride)
+        cb = pool_to_blocks(jnp.where(vis[:, None], cis_t[:, :, None, :], -INF), n_blocks, sparse)
+        chosen = jnp.any(idc[..., None] == jnp.arange(n_blocks).reshape(1, 1, 1, 1, n_blocks), axis=-2)
+        return finalize_topk(jnp.where(chosen, INF, cb), pc, sparse.topk, sparse, force=False)
+
+    return _map_query_chunks(one, q_chunk, qk_t, q_positions)
+
+
 def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
                        q_chunk: int = 128) -> jax.Array:
     """NOSA's two stages. Query-aware: the InfLLM-V2 selection with budget
-    `sparse.nosa_qk_topk` (forced blocks included). Query-agnostic: those blocks get +inf in
-    the block-pooled compressed cis scores `cis_c` [B, N_c, K] (see `compress_cis`), and the
-    final set is the top `sparse.topk` of those. -> int32 [B, K, Tq, sparse.topk]."""
+    `sparse.nosa_qk_topk` (forced blocks included); query-agnostic: `nosa_refine`.
+    -> int32 [B, K, Tq, sparse.topk]."""
     _check(q, kc, q_positions, "H")
     if sparse.nosa_qk_topk is None:
         raise ValueError("select_blocks_nosa needs sparse.nosa_qk_topk")
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
-    cis_t = jnp.transpose(cis_c.astype(jnp.float32), (0, 2, 1))  # [B, K, N_c]
+    stage1 = dataclasses.replace(sparse, topk=sparse.nosa_qk_topk)
+    qk_ids = select_blocks_infllmv2(q, kc, q_positions, stage1, n_blocks=nb, q_chunk=q_chunk)
+    return nosa_refine(qk_ids, cis_c, q_positions, sparse, n_blocks=nb, q_chunk=q_chunk)
+
+
+def infinigen_chunk_scores(qp, pk, q_positions, sparse: SparseConfig, n_blocks: int, head_dim: int) -> jax.Array:
+    """InfiniGen, block-adapted. qp [B, tq, H, r] partial (skewed) queries, pk [B, S, K, r]
+    partial keys -> block scores [B, K, tq, n_blocks]: per head a softmax over the visible
+    tokens (j <= p), summed over the group, max-pooled over each block's tokens."""
+    b, tq, h, r = qp.shape
+    s, kh = pk.shape[1], pk.shape[2]
+    g = h // kh
+    logits = jnp.einsum("BTKGR,BSKR->BKGTS", qp.astype(jnp.float32).reshape(b, tq, kh, g, r),
+                        pk.astype(jnp.float32)) / math.sqrt(head_dim)
+    vis = (jnp.arange(s).reshape(1, 1, s) <= q_positions[:, :, None])[:, None, None]  # [B,1,1,tq,S]
+    masked = jnp.where(vis, logits, NEG_INF)
+    p = jnp.exp(masked - jnp.max(masked, axis=-1, keepdims=True)) * vis
+    p = p / jnp.maximum(jnp.sum(p, axis=-1, keepdims=True), 1e-30)
+    tok = jnp.where(vis[:, 0], jnp.sum(p, axis=2), -INF)  # [B, K, tq, S]
+    pad = n_blocks * sparse.block_size - s
+    tok = jnp.pad(tok, [(0, 0)] * 3 + [(0, max(pad, 0))], constant_values=-INF)[..., : n_blocks * sparse.block_size]
+    return jnp.max(tok.reshape(b, kh, tq, n_blocks, sparse.block_size), axis=-1)
+
+
+def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int,
+                            n_blocks: int | None = None, q_chunk: int = 64) -> jax.Array:
+    """Top-k blocks from InfiniGen's speculated token scores (see `infinigen_chunk_scores`)."""
+    nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
 
     def one(qc, pc):
-        s = infllmv2_chunk_scores(qc, kc, pc, sparse)
-        qk_ids = finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.nosa_qk_topk, sparse)
-        vis = chunk_visible(jnp.arange(cis_t.shape[-1]), pc, sparse.kernel_size, sparse.kernel_stride)
-        cs = jnp.where(vis[:, None], cis_t[:, :, None, :], -INF)  # [B, K, tq, N_c]
-        cb = pool_to_blocks(cs, nb, sparse)
-        chosen = jnp.any(qk_ids[..., None] == jnp.arange(nb).reshape(1, 1, 1, 1, nb), axis=-2)
-        return finalize_topk(jnp.where(chosen, INF, cb), pc, sparse.topk, sparse, force=False)
+        return finalize_topk(infinigen_chunk_scores(qc, pk, pc, sparse, nb, head_dim), pc, sparse.topk, sparse)
 
-    return _map_query_chunks(one, q_chunk, q, q_positions)
+    return _map_query_chunks(one, q_chunk, qp, q_positions)
 
 
 def select_from_block_scores(block_scores, q_positions, sparse: SparseConfig) -> jax.Array:

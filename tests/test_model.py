@@ -139,29 +139,27 @@ def test_causality_gradients_after_t_are_zero(tiny_params):
     assert np.abs(np.asarray(g)[earlier]).sum() > 0
 
 
-def test_cached_prefill_and_decode_match_full_forward(tiny_params):
-    b, t, extra = 2, 19, 6
-    tokens = _tokens(jax.random.key(3), b, t + extra, TINY.vocab_size)
+def test_cached_decode_matches_full_forward(tiny_params):
+    """Token-by-token decode from an empty KVCache equals the full causal forward."""
+    b, t = 2, 12
+    tokens = _tokens(jax.random.key(3), b, t, TINY.vocab_size)
     full = forward(tiny_params, tokens, TINY)
-    cache = KVCache.zeros(TINY, b, 32)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    logits, cache = forward_cached(tiny_params, tokens[:, :t], pos, cache, TINY)
-    np.testing.assert_allclose(logits, full[:, :t], atol=1e-5)
-    for i in range(t, t + extra):
+    cache = KVCache.zeros(TINY, b, 16)
+    for i in range(t):
         step, cache = forward_cached(tiny_params, tokens[:, i:i + 1], jnp.full((b, 1), i, jnp.int32),
                                      cache, TINY)
         np.testing.assert_allclose(step[:, 0], full[:, i], atol=1e-5)
 
 
-def test_return_kv_seeds_the_cache(tiny_params):
+def test_return_kv_matches_the_decode_cache(tiny_params):
     tokens = _tokens(jax.random.key(4), 1, 10, TINY.vocab_size)
-    logits, (k, v) = forward(tiny_params, tokens, TINY, return_kv=True)
-    assert k.shape == (TINY.num_layers, 1, 10, TINY.num_kv_heads, TINY.head_dim)
+    logits, aux = forward(tiny_params, tokens, TINY, return_kv=True)
+    assert aux["k"].shape == (TINY.num_layers, 1, 10, TINY.num_kv_heads, TINY.head_dim)
     cache = KVCache.zeros(TINY, 1, 10)
-    pos = jnp.arange(10, dtype=jnp.int32)[None]
-    _, cache = forward_cached(tiny_params, tokens, pos, cache, TINY)
-    np.testing.assert_allclose(cache.k, k, atol=1e-6)
-    np.testing.assert_allclose(cache.v, v, atol=1e-6)
+    for i in range(10):
+        _, cache = forward_cached(tiny_params, tokens[:, i:i + 1], jnp.full((1, 1), i, jnp.int32), cache, TINY)
+    np.testing.assert_allclose(cache.k, aux["k"], atol=1e-5)
+    np.testing.assert_allclose(cache.v, aux["v"], atol=1e-5)
 
 
 def test_gqa_equals_mha_with_repeated_kv(tiny_params):

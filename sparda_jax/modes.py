@@ -1,0 +1,342 @@
+"""The backbone run in every attention mode, for prefill and for decode (device KV cache).
+
+Modes (SPEC.md section 6; the offload variants of the engine build on these):
+  dense      full causal attention
+  sparse     InfLLM-V2: each layer selects its blocks from its own queries
+  sparda     the Forecast: layer l's blocks come from F_{l-1} (F0_cur at layer 0)
+  infinigen  training-free cross-layer speculation: layer l's blocks come from layer l-1's
+             normed input times layer l's query weights, skewed and cut to a few columns
+             (`sparda_jax.infinigen`), scored against partial keys; layer 0 uses InfLLM-V2
+NOSA models (arch "nosa") add the query-agnostic cis stage after the mode's selector, and
+cis as an attention bias. Below `sparse.dense_len` keys, attention is dense (MiniCPM4); a
+batch decides by its longest sequence.
+
+Layer 0 runs outside the layer scan (it selects differently in sparda and infinigen); layers
+1..L-1 are a `lax.scan` whose carry holds the previous layer's normed input.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from .attention import dense_attention, sparse_attention
+from .compress import CompressedKeys, compress_keys, num_chunks
+from .config import ModelConfig
+from .forecast import forecast_from_hidden, selector_kernels
+from .model import DecoderLayer, KVCache, check_tokens, embed, rope_tables, unembed
+from .select import (compress_cis, n_blocks_for, nosa_refine, select_blocks_forecast, select_blocks_infinigen,
+                     select_blocks_infllmv2)
+
+__all__ = ["MODES", "Mode", "forward", "prefill", "decode_step", "DecodeState", "forward_cached"]
+
+Mode = Literal["dense", "sparse", "sparda", "infinigen"]
+MODES: tuple[str, ...] = ("dense", "sparse", "sparda", "infinigen")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static per-call choices (hashable: part of the jit cache key)."""
+
+    config: ModelConfig
+    mode: str
+    dense: bool
+    dtype: jnp.dtype
+    dense_impl: str | None
+    sparse_impl: str | None
+    collect: bool  # return each layer's selection and the InfLLM-V2 oracle's
+
+
+def _validate(config: ModelConfig, mode: str, forecast, infinigen):
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+    if mode == "sparda" and forecast is None:
+        raise ValueError("mode 'sparda' needs forecast params (sparda_jax.forecast.init_forecast "
+                         "or a trained Forecast)")
+    if mode == "infinigen" and infinigen is None:
+        raise ValueError("mode 'infinigen' needs its offline setup (sparda_jax.infinigen.infinigen_setup)")
+    if not config.sparse.exact_lse and mode in ("sparse", "infinigen"):
+        raise NotImplementedError("the coarse-LSE option is available through select_blocks_infllmv2 "
+                                  "(kc_coarse); the model runs exact LSE")
+
+
+class _KeySide(struct.PyTreeNode):
+    """What selection and attention read of one layer's past: keys/values at positions 0..S-1,
+    their compressed keys, NOSA's per-token and compressed cis, InfiniGen's partial keys."""
+
+    k: jax.Array
+    v: jax.Array
+    kc: jax.Array | None
+    cis: jax.Array | None
+    cis_c: jax.Array | None
+    pk: jax.Array | None
+
+
+def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first: bool, n_blocks: int):
+    """Selection + attention for one layer. Returns (attn [B, T, H, Dh], ids or None, oracle or None)."""
+    c = plan.config
+    sp = c.sparse
+    if plan.dense:
+        out = dense_attention(q, keys.k, keys.v, positions if q.shape[1] != keys.k.shape[1] else None,
+                              bias=keys.cis, implementation=plan.dense_impl)
+        return out, None, None
+    stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
+    if plan.mode == "sparse" or (plan.mode == "infinigen" and first):
+        ids = select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks)
+    elif plan.mode == "sparda":
+        ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks)
+    else:  # infinigen, layers >= 1: sel_in are the partial queries
+        ids = select_blocks_infinigen(sel_in, keys.pk, positions, stage1, head_dim=c.head_dim, n_blocks=n_blocks)
+    if c.has_cis:
+        ids = nosa_refine(ids, keys.cis_c, positions, sp, n_blocks=n_blocks)
+    oracle = None
+    if plan.collect:
+        oracle = ids if plan.mode == "sparse" else select_blocks_infllmv2(q, keys.kc, positions, stage1,
+                                                                         n_blocks=n_blocks)
+        if c.has_cis and plan.mode != "sparse":
+            oracle = nosa_refine(oracle, keys.cis_c, positions, sp, n_blocks=n_blocks)
+    out = sparse_attention(q, keys.k, keys.v, ids, positions, block_size=sp.block_size, bias=keys.cis,
+                           implementation=plan.sparse_impl)
+    return out, ids, oracle
+
+
+def _selector_input(plan: _Plan, layer, lp, h, h_prev, sel_kernel, ig_proj, cos, sin, first: bool):
+    """sparda: the Forecast that selects this layer; infinigen: the partial queries."""
+    if plan.dense:
+        return None
+    if plan.mode == "sparda":
+        return forecast_from_hidden(h if first else h_prev, sel_kernel, cos, sin, plan.dtype)
+    if plan.mode == "infinigen" and not first:
+        q_spec = layer.apply(lp, h_prev, cos, sin, method="query")  # layer l's W_q on layer l-1's input
+        c = plan.config
+        qg = q_spec.reshape(*q_spec.shape[:2], c.num_kv_heads, c.group_size, c.head_dim)
+        return jnp.einsum("BTKGD,KDR->BTKGR", qg.astype(jnp.float32), ig_proj).reshape(
+            *q_spec.shape[:2], c.num_heads, -1)
+    return None
+
+
+def _per_layer_xs(params, forecast, infinigen, n_layers):
+    """Per-layer inputs: backbone params, the selector kernel (sparda), the InfiniGen projection."""
+    sel = selector_kernels(forecast) if forecast is not None else None
+    ig = infinigen.proj if infinigen is not None else None
+    return params["layers"], sel, ig
+
+
+def _slice(tree, i):
+    return jax.tree.map(lambda a: a[i], tree)
+
+
+def _tail(tree):
+    return jax.tree.map(lambda a: a[1:], tree)
+
+
+# ----------------------------------------------------------------------------------- prefill
+
+@functools.partial(jax.jit, static_argnames=("plan", "return_kv"))
+def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: bool):
+    c = plan.config
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    cos, sin = rope_tables(c, positions)
+    layer = DecoderLayer(c, dtype=plan.dtype)
+    lps, sels, igs = _per_layer_xs(params, forecast, infinigen, c.num_layers)
+    n_blocks = -(-t // c.sparse.block_size)
+
+    def run(x, h_prev, lp, sel, ig, first):
+        v = {"params": lp}
+        h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
+        cis = layer.apply(v, vv, method="cis") if c.has_cis else None
+        keys = _KeySide(k, vv, None if plan.dense else compress_keys(k, c.sparse.kernel_size, c.sparse.kernel_stride),
+                        cis, compress_cis(cis, c.sparse) if (c.has_cis and not plan.dense) else None,
+                        jnp.einsum("BSKD,KDR->BSKR", k.astype(jnp.float32), ig) if ig is not None else None)
+        sel_in = _selector_input(plan, layer, v, h, h_prev, sel, ig, cos, sin, first)
+        attn, ids, oracle = _attend(plan, q, keys, positions, sel_in, first, n_blocks)
+        x = layer.apply(v, x, attn, method="finish")
+        aux = {}
+        if return_kv:
+            aux["k"], aux["v"] = k, vv
+            if cis is not None:
+                aux["cis"] = cis
+        if plan.collect:
+            aux["ids"], aux["oracle"] = ids, oracle
+        return x, h, aux
+
+    x = embed(params, tokens, c, plan.dtype)
+    x, h0, aux0 = run(x, None, _slice(lps, 0), None if sels is None else sels[0],
+                      None if igs is None else igs[0], True)
+
+    def body(carry, xs):
+        x, h_prev = carry
+        lp, sel, ig = xs
+        x, h, aux = run(x, h_prev, lp, sel, ig, False)
+        return (x, h), aux
+
+    (x, _), aux = jax.lax.scan(body, (x, h0), (_tail(lps), None if sels is None else sels[1:],
+                                               None if igs is None else igs[1:]))
+    aux = jax.tree.map(lambda a0, a: jnp.concatenate([a0[None], a], axis=0), aux0, aux)
+    return unembed(params, x, c), aux
+
+
+def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect):
+    dense = mode == "dense" or t_kv < config.sparse.dense_len
+    return _Plan(config, mode, dense, jnp.dtype(dtype), dense_impl, sparse_impl, collect and not dense)
+
+
+def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", forecast=None, infinigen=None,
+            dtype=jnp.float32, dense_impl: str | None = None, sparse_impl: str | None = None,
+            return_kv: bool = False, collect_selection: bool = False):
+    """Prefill-style forward over whole sequences from position 0 in any mode.
+
+    tokens int [B, T] -> float32 logits [B, T, vocab], and with return_kv / collect_selection
+    a dict of per-layer arrays with a leading L axis: k, v [L, B, T, K, Dh] (and NOSA's cis
+    [L, B, T, K]); ids, oracle [L, B, K, T, topk] (the mode's selection and the InfLLM-V2
+    selection from the layer's true queries).
+    """
+    _validate(config, mode, forecast, infinigen)
+    tokens = jnp.asarray(tokens)
+    check_tokens(tokens, None)
+    plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection)
+    logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv)
+    if return_kv or collect_selection:
+        return logits, aux
+    return logits
+
+
+# ------------------------------------------------------------------------------------ decode
+
+class DecodeState(struct.PyTreeNode):
+    """Everything decode reads of the past, per layer (leading L axis), on the device.
+
+    kv      KVCache k, v [L, B, S, K, Dh] (slot = absolute position)
+    ckeys   CompressedKeys, kc [L, B, N_max, K, Dh] and the ring buffer (sparse modes)
+    cis     [L, B, S, K] NOSA per-token cis; ccis compressed cis as CompressedKeys with Dh = 1
+    pk      [L, B, S, K, r] InfiniGen partial keys
+    """
+
+    kv: KVCache
+    ckeys: CompressedKeys | None = None
+    cis: jax.Array | None = None
+    ccis: CompressedKeys | None = None
+    pk: jax.Array | None = None
+
+    @property
+    def size(self) -> int:
+        return self.kv.size
+
+
+def _build_state(config: ModelConfig, aux, lengths, cache_size: int, infinigen, sparse_state: bool) -> DecodeState:
+    sp = config.sparse
+    t = aux["k"].shape[2]
+    pad = ((0, 0), (0, 0), (0, cache_size - t), (0, 0), (0, 0))
+    kv = KVCache(jnp.pad(aux["k"], pad), jnp.pad(aux["v"], pad))
+    ckeys = ccis = cis = pk = None
+    if sparse_state:
+        ckeys = jax.vmap(lambda k: CompressedKeys.from_keys(k, cache_size, sp.kernel_size, sp.kernel_stride,
+                                                            lengths=lengths))(aux["k"])
+    if config.has_cis:
+        cis = jnp.pad(aux["cis"], pad[:4])
+        if sparse_state:
+            ccis = jax.vmap(lambda c: CompressedKeys.from_keys(c[..., None].astype(jnp.float32), cache_size,
+                                                               sp.kernel_size, sp.kernel_stride, lengths=lengths)
+                            )(aux["cis"])
+    if infinigen is not None:
+        pk = jnp.einsum("LBSKD,LKDR->LBSKR", kv.k.astype(jnp.float32), infinigen.proj)
+    return DecodeState(kv, ckeys, cis, ccis, pk)
+
+
+def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mode: Mode = "dense",
+            forecast=None, infinigen=None, dtype=jnp.float32, dense_impl=None, sparse_impl=None):
+    """Run right-padded prompts tokens [B, T] (real lengths [B]) and build the decode state
+    with room for `cache_size` positions. Returns (logits of each last real token [B, V], state).
+
+    The state always carries compressed keys when the mode is sparse, even if this prefill
+    itself ran dense (short prompt): decode may cross dense_len.
+    """
+    if cache_size < tokens.shape[1]:
+        raise ValueError(f"cache_size ({cache_size}) < prompt length ({tokens.shape[1]})")
+    logits, aux = forward(params, tokens, config, mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype,
+                          dense_impl=dense_impl, sparse_impl=sparse_impl, return_kv=True)
+    lengths = jnp.asarray(lengths, jnp.int32)
+    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    state = _build_state(config, aux, lengths, cache_size, infinigen if mode == "infinigen" else None,
+                         mode != "dense")
+    return last, state
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def _decode(params, tokens, positions, state: DecodeState, forecast, infinigen, *, plan: _Plan):
+    c = plan.config
+    sp = c.sparse
+    cos, sin = rope_tables(c, positions)
+    layer = DecoderLayer(c, dtype=plan.dtype)
+    lps, sels, igs = _per_layer_xs(params, forecast, infinigen, c.num_layers)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    pos0 = positions[:, 0]
+    n_blocks = -(-state.size // sp.block_size)
+
+    def run(x, h_prev, lp, sel, ig, st: DecodeState, first):
+        v = {"params": lp}
+        h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
+        ck = st.kv.k.at[rows, positions].set(k.astype(st.kv.k.dtype))
+        cv = st.kv.v.at[rows, positions].set(vv.astype(st.kv.v.dtype))
+        new = st.replace(kv=KVCache(ck, cv))
+        cis = cis_c = pk = kc = None
+        if c.has_cis:
+            cis = st.cis.at[rows, positions].set(layer.apply(v, vv, method="cis"))
+            new = new.replace(cis=cis)
+        if st.ckeys is not None:
+            ckeys = st.ckeys.append(k[:, 0], pos0)
+            new, kc = new.replace(ckeys=ckeys), ckeys.kc
+            if c.has_cis:
+                ccis = st.ccis.append(cis[rows[:, 0], pos0][..., None], pos0)
+                new, cis_c = new.replace(ccis=ccis), ccis.kc[..., 0]
+        if st.pk is not None:
+            pk = st.pk.at[rows, positions].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), ig))
+            new = new.replace(pk=pk)
+        keys = _KeySide(ck.astype(q.dtype), cv.astype(q.dtype), kc, cis, cis_c, pk)
+        sel_in = _selector_input(plan, layer, v, h, h_prev, sel, ig, cos, sin, first)
+        attn, _, _ = _attend(plan, q, keys, positions, sel_in, first, n_blocks)
+        return layer.apply(v, x, attn, method="finish"), h, new
+
+    x = embed(params, tokens, c, plan.dtype)
+    x, h0, st0 = run(x, None, _slice(lps, 0), None if sels is None else sels[0], None if igs is None else igs[0],
+                     _slice(state, 0), True)
+
+    def body(carry, xs):
+        x, h_prev = carry
+        lp, sel, ig, st = xs
+        x, h, st = run(x, h_prev, lp, sel, ig, st, False)
+        return (x, h), st
+
+    (x, _), st_rest = jax.lax.scan(body, (x, h0), (_tail(lps), None if sels is None else sels[1:],
+                                                   None if igs is None else igs[1:], _tail(state)))
+    new_state = jax.tree.map(lambda a0, a: jnp.concatenate([a0[None], a], axis=0), st0, st_rest)
+    return unembed(params, x, c)[:, 0], new_state
+
+
+def decode_step(params, tokens, positions, state: DecodeState, config: ModelConfig, *, mode: Mode = "dense",
+                forecast=None, infinigen=None, dtype=jnp.float32, dense: bool | None = None,
+                dense_impl=None, sparse_impl=None):
+    """One token per sequence: tokens int [B], positions int [B] (where each token goes).
+    Returns (logits [B, V], new state). `dense` (static) overrides the dense_len rule, which
+    is otherwise applied to the longest sequence (host-side: positions must be concrete)."""
+    _validate(config, mode, forecast, infinigen)
+    if dense is None:
+        dense = mode == "dense" or int(jnp.max(positions)) + 1 < config.sparse.dense_len
+    plan = _Plan(config, mode, bool(dense), jnp.dtype(dtype), dense_impl, sparse_impl, False)
+    if not plan.dense and state.ckeys is None:
+        raise ValueError("this decode state has no compressed keys: prefill it with a sparse mode")
+    return _decode(params, tokens[:, None], positions[:, None], state, forecast, infinigen, plan=plan)
+
+
+def forward_cached(params, tokens, positions, cache: KVCache, config: ModelConfig, *, dtype=jnp.float32,
+                   attention_impl: str | None = None):
+    """Dense decode against a plain KVCache (kept for callers that need no selection)."""
+    logits, state = decode_step(params, tokens[:, 0], positions[:, 0], DecodeState(cache), config, dtype=dtype,
+                                dense=True, dense_impl=attention_impl)
+    return logits[:, None], state.kv

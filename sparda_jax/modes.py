@@ -137,8 +137,8 @@ def _tail(tree):
 
 # ----------------------------------------------------------------------------------- prefill
 
-@functools.partial(jax.jit, static_argnames=("plan", "return_kv"))
-def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: bool):
+@functools.partial(jax.jit, static_argnames=("plan", "return_kv", "return_q"))
+def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: bool, return_q: bool):
     c = plan.config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -162,6 +162,8 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
             aux["k"], aux["v"] = k, vv
             if cis is not None:
                 aux["cis"] = cis
+        if return_q:
+            aux["q"] = q
         if plan.collect:
             aux["ids"], aux["oracle"] = ids, oracle
         return x, h, aux
@@ -189,20 +191,21 @@ def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect):
 
 def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", forecast=None, infinigen=None,
             dtype=jnp.float32, dense_impl: str | None = None, sparse_impl: str | None = None,
-            return_kv: bool = False, collect_selection: bool = False):
+            return_kv: bool = False, return_q: bool = False, collect_selection: bool = False):
     """Prefill-style forward over whole sequences from position 0 in any mode.
 
     tokens int [B, T] -> float32 logits [B, T, vocab], and with return_kv / collect_selection
     a dict of per-layer arrays with a leading L axis: k, v [L, B, T, K, Dh] (and NOSA's cis
-    [L, B, T, K]); ids, oracle [L, B, K, T, topk] (the mode's selection and the InfLLM-V2
-    selection from the layer's true queries).
+    [L, B, T, K]); q [L, B, T, H, Dh] (post-RoPE queries); ids, oracle [L, B, K, T, topk]
+    (the mode's selection and the InfLLM-V2 selection from the layer's true queries).
     """
     _validate(config, mode, forecast, infinigen)
     tokens = jnp.asarray(tokens)
     check_tokens(tokens, None)
     plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection)
-    logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv)
-    if return_kv or collect_selection:
+    logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv,
+                           return_q=return_q)
+    if return_kv or return_q or collect_selection:
         return logits, aux
     return logits
 

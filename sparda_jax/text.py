@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-__all__ = ["python_docs_corpus", "read_text_files", "haystack_tokens", "insert_at_depth"]
+__all__ = ["python_docs_corpus", "corpus_split", "read_text_files", "haystack_tokens", "insert_at_depth"]
 
 
 def python_docs_corpus() -> list[str]:
@@ -18,6 +18,16 @@ def python_docs_corpus() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[k] for k in sorted(topics)]
+
+
+def corpus_split(docs: list[str], part: str) -> list[str]:
+    """A fixed split of a document list: every 4th document is held out for evaluation
+    ("eval"), the rest is for training and calibration ("train")."""
+    if part == "eval":
+        return docs[::4]
+    if part == "train":
+        return [d for i, d in enumerate(docs) if i % 4]
+    raise ValueError(f"part must be 'train' or 'eval', got {part!r}")
 
 
 def read_text_files(paths: list[str | Path]) -> list[str]:

@@ -1,0 +1,1 @@
+"""Accuracy evaluation: perplexity, selection quality, long-context tasks, every mode."""

@@ -1,0 +1,17 @@
+# Source this on the GPU machine (device tool): installs the package over the image's JAX,
+# carried wheels (.whl/), and reassembles the SmolLM2 GGUF from parts carried in earlier calls.
+# Usage in a device call:  source scripts/device_setup.sh
+set -e
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+mkdir -p /root/model
+for p in .model/smol.part*; do [ -f "$p" ] && cp "$p" /root/model/; done
+if [ -f /root/model/smol.part00 ] && [ -f /root/model/smol.part01 ]; then
+  cat /root/model/smol.part00 /root/model/smol.part01 > /root/model/smollm2.gguf
+  export SPARDA_SMOLLM2_GGUF=/root/model/smollm2.gguf
+fi
+set +e

@@ -1,0 +1,36 @@
+"""Provenance for result files: where and from which commit a number came."""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import subprocess
+from pathlib import Path
+
+import jax
+
+__all__ = ["environment"]
+
+
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def environment() -> dict:
+    dev = jax.devices()[0]
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "commit": _git("rev-parse", "HEAD"),
+        "dirty": None if status is None else bool(status),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": getattr(dev, "device_kind", str(dev)),
+        "device_count": jax.device_count(),
+        "python": platform.python_version(),
+        "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }

@@ -84,7 +84,7 @@ def _cmd_eval(args) -> int:
     result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
                             seed=args.seed)
     result["environment"] = environment()
-    result["command"] = "sparda " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("sparda") else None
+    result["command"] = "sparda " + " ".join(sys.argv[1:])
     result["seconds"] = round(time.perf_counter() - t0, 1)
     table = markdown_table(result)
     if args.out:

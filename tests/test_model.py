@@ -229,3 +229,24 @@ def test_sparse_budget_of_minicpm_matches_spec():
     assert (s.forced_blocks, s.topk, s.topk - s.forced_blocks) == (34, 96, 62)
     assert isinstance(s, SparseConfig)
     assert isinstance(get_preset("nosa-8b"), ModelConfig)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode", [False, True])
+def test_cudnn_dense_matches_reference(decode):
+    """cuDNN's error against a float32 reference is at most a small multiple of the error of
+    the plain jnp path run in bf16 (a tolerance with a reason: FlashAttention's test rule)."""
+    ks = jax.random.split(jax.random.key(8), 4)
+    b, s, kh, g, d = 2, 512, 2, 4, 64
+    tq = 1 if decode else s
+    q = jax.random.normal(ks[0], (b, tq, kh * g, d))
+    k = jax.random.normal(ks[1], (b, s, kh, d))
+    v = jax.random.normal(ks[2], (b, s, kh, d))
+    pos = jnp.array([[300], [511]], jnp.int32) if decode else None
+    with jax.default_matmul_precision("highest"):
+        exact = dense_attention_reference(q, k, v, pos)
+    bf = lambda a: a.astype(jnp.bfloat16)
+    cud = dense_attention(bf(q), bf(k), bf(v), pos, implementation="cudnn").astype(jnp.float32)
+    plain = dense_attention_reference(bf(q), bf(k), bf(v), pos).astype(jnp.float32)
+    err = lambda a: float(jnp.linalg.norm(a - exact) / jnp.linalg.norm(exact))
+    assert err(cud) <= 2 * err(plain) + 1e-3, (err(cud), err(plain))

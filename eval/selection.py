@@ -12,6 +12,7 @@ InfiniGen's offline setup uses the "train" part of the corpus.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -28,6 +29,18 @@ from sparda_jax.modes import MODES, forward
 from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
 
 __all__ = ["eval_selection", "markdown_table"]
+
+
+@functools.partial(jax.jit, static_argnames=("sparse",))
+def _layer_metrics(ids, oracle, q, k, pos, sparse):
+    """Per layer (leading L axis): recall hits, recall total, captured attention mass."""
+
+    def one(args):
+        i, o, qq, kk = args
+        h, t = recall_counts(i, o, pos, sparse)
+        return h, t, attention_mass(qq, kk, i, pos, block_size=sparse.block_size)
+
+    return jax.lax.map(one, (ids, oracle, q, k))
 
 
 def _nll(logits, tokens):
@@ -74,12 +87,10 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
                 nll_late.append(nll[length // 2:])
                 if aux is not None:
                     pos = jnp.arange(length, dtype=jnp.int32)[None]
-                    for layer in range(c.num_layers):
-                        h_, t_ = recall_counts(aux["ids"][layer], aux["oracle"][layer], pos, c.sparse)
-                        hits[layer] += float(h_)
-                        total[layer] += float(t_)
-                        mass[layer] += float(attention_mass(aux["q"][layer], aux["k"][layer], aux["ids"][layer], pos,
-                                                            block_size=c.sparse.block_size)) / n_seqs
+                    h_, t_, m_ = _layer_metrics(aux["ids"], aux["oracle"], aux["q"], aux["k"], pos, c.sparse)
+                    hits += np.asarray(h_)
+                    total += np.asarray(t_)
+                    mass += np.asarray(m_) / n_seqs
                 bar.update(1)
             all_ = np.concatenate(nll_all)
             late = np.concatenate(nll_late)

@@ -50,8 +50,10 @@ def _nll(logits, tokens):
 
 
 def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, modes=MODES,
-                   forecast=None, seed: int = 0, calib_len: int = 2048, progress: bool = True) -> dict:
-    """Returns a JSON-ready dict (see the module docstring). forecast=None: an untrained one."""
+                   forecast=None, seed: int = 0, calib_len: int = 2048, progress: bool = True,
+                   on_row=None) -> dict:
+    """Returns a JSON-ready dict (see the module docstring). forecast=None: an untrained one.
+    on_row(partial_result) is called after every (length, mode) row, e.g. to save progress."""
     c = model.config
     for m in modes:
         if m not in MODES:
@@ -113,7 +115,13 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
                 row["attention_mass"] = float(mass.mean())
                 row["attention_mass_per_layer"] = [round(float(x), 4) for x in mass]
             rows.append(row)
+            if on_row is not None:
+                on_row(_result(c, rows, ig, calib_len))
     bar.close()
+    return _result(c, rows, ig, calib_len)
+
+
+def _result(c, rows, ig, calib_len) -> dict:
     sp = c.sparse
     return {
         "model": c.name,

@@ -81,16 +81,21 @@ def _cmd_eval(args) -> int:
 
     model = _load(args)
     t0 = time.perf_counter()
+    env = environment()
+    out = Path(args.out) if args.out else None
+
+    def save(result, complete: bool):
+        result.update(environment=env, command="sparda " + " ".join(sys.argv[1:]),
+                      seconds=round(time.perf_counter() - t0, 1), complete=complete)
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(result, indent=2))
+
     result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
-                            seed=args.seed)
-    result["environment"] = environment()
-    result["command"] = "sparda " + " ".join(sys.argv[1:])
-    result["seconds"] = round(time.perf_counter() - t0, 1)
+                            seed=args.seed, on_row=lambda r: save(r, False))
+    save(result, True)
     table = markdown_table(result)
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2))
+    if out is not None:
         out.with_suffix(".md").write_text(
             f"# Selection quality and perplexity: {result['model']}\n\n"
             f"Budget {result['budget']}; {result['rows'][0]['n_seqs']} windows per length of {result['text']}.\n"

@@ -2,6 +2,7 @@
 # carried wheels (.whl/), and reassembles the SmolLM2 GGUF from parts carried in earlier calls.
 # Usage in a device call:  source scripts/device_setup.sh
 set -e
+[ -f .commit ] && export SPARDA_COMMIT=$(cat .commit)  # written by `git rev-parse HEAD > .commit` before the call
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
 if ls .whl/*.whl >/dev/null 2>&1; then

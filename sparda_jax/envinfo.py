@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -24,8 +25,10 @@ def _git(*args: str) -> str | None:
 def environment() -> dict:
     dev = jax.devices()[0]
     status = _git("status", "--porcelain", "--untracked-files=no")
+    # The GPU machine gets a copy of the tree without .git; scripts/device_setup.sh exports
+    # SPARDA_COMMIT from a .commit file written before the call.
     return {
-        "commit": _git("rev-parse", "HEAD"),
+        "commit": _git("rev-parse", "HEAD") or os.environ.get("SPARDA_COMMIT"),
         "dirty": None if status is None else bool(status),
         "jax": jax.__version__,
         "backend": jax.default_backend(),

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from sparda_jax.api import Pretrained
 from sparda_jax.forecast import init_forecast
-from sparda_jax.infinigen import infinigen_setup
+from sparda_jax.infinigen import calibrate_on_corpus
 from sparda_jax.metrics import attention_mass, recall_counts
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
@@ -65,8 +65,7 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
         forecast = init_forecast(c, jax.random.key(seed))
     ig = None
     if "infinigen" in modes:
-        calib = haystack_tokens(tok.encode, calib_len, seed=seed, docs=corpus_split(docs, "train"))
-        ig = infinigen_setup(model.params, c, jnp.asarray([calib]), dtype=model.dtype)
+        ig = calibrate_on_corpus(model.params, c, tok.encode, tokens=calib_len, seed=seed, dtype=model.dtype)
     eval_docs = corpus_split(docs, "eval")
     rows = []
     bar = tqdm(total=len(lengths) * n_seqs * len(modes), desc="eval", disable=not progress)

@@ -53,40 +53,65 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
     return RetrievalCase(pre + body + post, name, room, depth, context_tokens)
 
 
+def mode_inputs(model: Pretrained, modes, seed: int = 0, forecast=None) -> dict:
+    """What each mode needs beyond the backbone: the Forecast for sparda (untrained if none
+    is given) and InfiniGen's calibration (on training text)."""
+    import jax
+
+    from sparda_jax.forecast import init_forecast
+    from sparda_jax.infinigen import calibrate_on_corpus
+
+    extra = {"forecast_trained": forecast is not None}
+    if "sparda" in modes:
+        extra["forecast"] = forecast if forecast is not None else init_forecast(model.config, jax.random.key(seed))
+    if "infinigen" in modes:
+        extra["infinigen"] = calibrate_on_corpus(model.params, model.config, model.tokenizer.encode, seed=seed,
+                                                 dtype=model.dtype)
+    return extra
+
+
 def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), seed: int = 0,
-                  max_new_tokens: int = 32, log=print) -> list[dict]:
-    """Generate an answer for each depth; returns one result dict per case."""
+                  max_new_tokens: int = 32, modes=("dense",), forecast=None, log=print) -> list[dict]:
+    """Generate an answer for each depth and mode; returns one result dict per case."""
     if model.tokenizer is None:
         raise ValueError("the retrieval demo needs a model with a tokenizer")
+    extra = mode_inputs(model, modes, seed, forecast)
     results = []
     for i, depth in enumerate(depths):
         case = make_case(model, context_tokens, depth, seed + i)
-        t0 = time.perf_counter()
-        steps = []
-        out = generate(model.params, model.config, [case.prompt_ids],
-                       SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
-                       dtype=model.dtype, on_step=lambda g: steps.append(time.perf_counter()))
-        total = time.perf_counter() - t0
-        answer = model.tokenizer.decode(out[0])
-        first = steps[0] - t0 if steps else total
-        decode_s = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
-        r = {
-            "mode": "dense",
-            "context_tokens": len(case.prompt_ids),
-            "depth": depth,
-            "expected": f"{case.name}, Room {case.room}",
-            "answer": answer,
-            "correct": case.correct(answer),
-            "prefill_s": round(first, 3),
-            "decode_tokens_per_s": round((len(steps) - 1) / decode_s, 2) if decode_s > 0 else None,
-            "total_s": round(total, 3),
-        }
-        results.append(r)
-        log(f"[dense] depth {depth:.2f}, {r['context_tokens']} tokens: {answer!r} "
-            f"({'correct' if r['correct'] else 'WRONG'}; expected {r['expected']}); "
-            f"prefill {r['prefill_s']:.2f} s (compile included on the first case), "
-            f"decode {r['decode_tokens_per_s']} tok/s")
+        for mode in modes:
+            results.append(_one(model, case, mode, extra, max_new_tokens, log))
     return results
+
+
+def _one(model: Pretrained, case: RetrievalCase, mode: str, extra: dict, max_new_tokens: int, log) -> dict:
+    t0 = time.perf_counter()
+    steps = []
+    out = generate(model.params, model.config, [case.prompt_ids],
+                   SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
+                   dtype=model.dtype, mode=mode, forecast=extra.get("forecast") if mode == "sparda" else None,
+                   infinigen=extra.get("infinigen") if mode == "infinigen" else None,
+                   on_step=lambda g: steps.append(time.perf_counter()))
+    total = time.perf_counter() - t0
+    answer = model.tokenizer.decode(out[0])
+    first = steps[0] - t0 if steps else total
+    decode_s = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
+    r = {
+        "mode": mode + (" (untrained)" if mode == "sparda" and not extra["forecast_trained"] else ""),
+        "context_tokens": len(case.prompt_ids),
+        "depth": case.depth,
+        "expected": f"{case.name}, Room {case.room}",
+        "answer": answer,
+        "correct": case.correct(answer),
+        "prefill_s": round(first, 3),
+        "decode_tokens_per_s": round((len(steps) - 1) / decode_s, 2) if decode_s > 0 else None,
+        "total_s": round(total, 3),
+    }
+    log(f"[{r['mode']}] depth {case.depth:.2f}, {r['context_tokens']} tokens: {answer!r} "
+        f"({'correct' if r['correct'] else 'WRONG'}; expected {r['expected']}); "
+        f"prefill {r['prefill_s']:.2f} s (compile included on a mode's first case), "
+        f"decode {r['decode_tokens_per_s']} tok/s")
+    return r
 
 
 def results_table(results: list[dict]) -> str:

@@ -66,7 +66,7 @@ def _cmd_demo(args) -> int:
     from .infer.demo import results_table, run_retrieval
 
     model = _load(args)
-    results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
+    results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths), modes=tuple(args.modes),
                             seed=args.seed, log=lambda s: print(s, file=sys.stderr))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                    help="where the fact sits, as fractions of the context")
+    d.add_argument("--modes", nargs="+", default=["dense"],
+                   help="attention modes to compare: dense sparse sparda infinigen (sparda uses an "
+                        "untrained Forecast until a trained one ships)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", help="write the results to this JSON file")
     d.set_defaults(fn=_cmd_demo)

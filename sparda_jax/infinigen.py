@@ -24,7 +24,7 @@ from flax import struct
 
 from .config import ModelConfig
 
-__all__ = ["InfiniGenParams", "infinigen_setup", "skew_and_columns"]
+__all__ = ["InfiniGenParams", "infinigen_setup", "skew_and_columns", "calibrate_on_corpus"]
 
 
 class InfiniGenParams(struct.PyTreeNode):
@@ -66,3 +66,13 @@ def infinigen_setup(params, config: ModelConfig, calib_tokens, *, ratio: float =
         for m in range(c.num_kv_heads):
             proj[layer, m] = skew_and_columns(qs[layer, :, m].reshape(-1, c.head_dim), r)
     return InfiniGenParams(jnp.asarray(proj, jnp.float32))
+
+
+def calibrate_on_corpus(params, config: ModelConfig, encode, *, tokens: int = 2048, seed: int = 0,
+                        ratio: float = 0.2, dtype=jnp.float32) -> InfiniGenParams:
+    """`infinigen_setup` on `tokens` tokens of the training part of the default corpus (text
+    that evaluation never uses)."""
+    from .text import corpus_split, haystack_tokens, python_docs_corpus
+
+    calib = haystack_tokens(encode, tokens, seed=seed, docs=corpus_split(python_docs_corpus(), "train"))
+    return infinigen_setup(params, config, jnp.asarray([calib]), ratio=ratio, dtype=dtype)

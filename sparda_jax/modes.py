@@ -11,8 +11,8 @@ NOSA models (arch "nosa") add the query-agnostic cis stage after the mode's sele
 cis as an attention bias. Below `sparse.dense_len` keys, attention is dense (MiniCPM4); a
 batch decides by its longest sequence.
 
-Layer 0 runs outside the layer scan (it selects differently in sparda and infinigen); layers
-1..L-1 are a `lax.scan` whose carry holds the previous layer's normed input.
+The layers are one `lax.scan` whose carry holds the previous layer's normed input; layer 0,
+which selects differently in sparda and infinigen, is told apart by a traced flag.
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ class _KeySide(struct.PyTreeNode):
     pk: jax.Array | None
 
 
-def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first: bool, n_blocks: int):
-    """Selection + attention for one layer. Returns (attn [B, T, H, Dh], ids or None, oracle or None)."""
+def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first, n_blocks: int):
+    """Selection + attention for one layer. `first` is a traced bool (layer 0).
+    Returns (attn [B, T, H, Dh], ids or None, oracle or None)."""
     c = plan.config
     sp = c.sparse
     if plan.dense:
@@ -86,12 +87,14 @@ def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first: bool, n_bl
                               bias=keys.cis, implementation=plan.dense_impl)
         return out, None, None
     stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
-    if plan.mode == "sparse" or (plan.mode == "infinigen" and first):
-        ids = select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks)
+    own = lambda: select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks)
+    if plan.mode == "sparse":
+        ids = own()
     elif plan.mode == "sparda":
         ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks)
-    else:  # infinigen, layers >= 1: sel_in are the partial queries
-        ids = select_blocks_infinigen(sel_in, keys.pk, positions, stage1, head_dim=c.head_dim, n_blocks=n_blocks)
+    else:  # infinigen: layer 0 selects from its own queries, later layers from the partial queries
+        ids = jax.lax.cond(first, own, lambda: select_blocks_infinigen(sel_in, keys.pk, positions, stage1,
+                                                                       head_dim=c.head_dim, n_blocks=n_blocks))
     if c.has_cis:
         ids = nosa_refine(ids, keys.cis_c, positions, sp, n_blocks=n_blocks)
     oracle = None
@@ -105,13 +108,14 @@ def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first: bool, n_bl
     return out, ids, oracle
 
 
-def _selector_input(plan: _Plan, layer, lp, h, h_prev, sel_kernel, ig_proj, cos, sin, first: bool):
-    """sparda: the Forecast that selects this layer; infinigen: the partial queries."""
+def _selector_input(plan: _Plan, layer, lp, h, h_prev, sel_kernel, ig_proj, cos, sin, first):
+    """sparda: the Forecast that selects this layer (F0_cur on h at layer 0, else F_{l-1} on
+    h_prev); infinigen: the partial queries (unused at layer 0)."""
     if plan.dense:
         return None
     if plan.mode == "sparda":
-        return forecast_from_hidden(h if first else h_prev, sel_kernel, cos, sin, plan.dtype)
-    if plan.mode == "infinigen" and not first:
+        return forecast_from_hidden(jnp.where(first, h, h_prev), sel_kernel, cos, sin, plan.dtype)
+    if plan.mode == "infinigen":
         q_spec = layer.apply(lp, h_prev, cos, sin, method="query")  # layer l's W_q on layer l-1's input
         c = plan.config
         qg = q_spec.reshape(*q_spec.shape[:2], c.num_kv_heads, c.group_size, c.head_dim)
@@ -125,14 +129,6 @@ def _per_layer_xs(params, forecast, infinigen, n_layers):
     sel = selector_kernels(forecast) if forecast is not None else None
     ig = infinigen.proj if infinigen is not None else None
     return params["layers"], sel, ig
-
-
-def _slice(tree, i):
-    return jax.tree.map(lambda a: a[i], tree)
-
-
-def _tail(tree):
-    return jax.tree.map(lambda a: a[1:], tree)
 
 
 # ----------------------------------------------------------------------------------- prefill
@@ -169,18 +165,15 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
         return x, h, aux
 
     x = embed(params, tokens, c, plan.dtype)
-    x, h0, aux0 = run(x, None, _slice(lps, 0), None if sels is None else sels[0],
-                      None if igs is None else igs[0], True)
 
     def body(carry, xs):
         x, h_prev = carry
-        lp, sel, ig = xs
-        x, h, aux = run(x, h_prev, lp, sel, ig, False)
+        lp, sel, ig, first = xs
+        x, h, aux = run(x, h_prev, lp, sel, ig, first)
         return (x, h), aux
 
-    (x, _), aux = jax.lax.scan(body, (x, h0), (_tail(lps), None if sels is None else sels[1:],
-                                               None if igs is None else igs[1:]))
-    aux = jax.tree.map(lambda a0, a: jnp.concatenate([a0[None], a], axis=0), aux0, aux)
+    first = jnp.arange(c.num_layers) == 0
+    (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (lps, sels, igs, first))
     return unembed(params, x, c), aux
 
 
@@ -307,18 +300,15 @@ def _decode(params, tokens, positions, state: DecodeState, forecast, infinigen, 
         return layer.apply(v, x, attn, method="finish"), h, new
 
     x = embed(params, tokens, c, plan.dtype)
-    x, h0, st0 = run(x, None, _slice(lps, 0), None if sels is None else sels[0], None if igs is None else igs[0],
-                     _slice(state, 0), True)
 
     def body(carry, xs):
         x, h_prev = carry
-        lp, sel, ig, st = xs
-        x, h, st = run(x, h_prev, lp, sel, ig, st, False)
+        lp, sel, ig, st, first = xs
+        x, h, st = run(x, h_prev, lp, sel, ig, st, first)
         return (x, h), st
 
-    (x, _), st_rest = jax.lax.scan(body, (x, h0), (_tail(lps), None if sels is None else sels[1:],
-                                                   None if igs is None else igs[1:], _tail(state)))
-    new_state = jax.tree.map(lambda a0, a: jnp.concatenate([a0[None], a], axis=0), st0, st_rest)
+    first = jnp.arange(c.num_layers) == 0
+    (x, _), new_state = jax.lax.scan(body, (x, jnp.zeros_like(x)), (lps, sels, igs, state, first))
     return unembed(params, x, c)[:, 0], new_state
 
 

@@ -55,7 +55,7 @@ def forecast_param_count(config: ModelConfig, verbose: bool = False) -> int:
     if verbose:
         bb = param_count(jax.eval_shape(lambda: init_params(config, jax.random.key(0))))
         print(f"{config.name}: Forecast {config.num_layers} x {config.hidden_size} x "
-              f"{config.num_kv_heads * config.head_dim} = {n / 1e6:.1f}M parameters "
+              f"{config.num_kv_heads * config.head_dim} = {n / 1e6:.2f}M parameters "
               f"({100 * n / bb:.2f}% of the {bb / 1e9:.2f}B backbone)")
     return n
 

@@ -337,29 +337,20 @@ _MINICPM41 = ModelConfig(
            "config.json; see docs/model-sources.md",
 )
 
-# NOSA-8B: Llama layout (no muP) with the MiniCPM4 vocabulary and LongRoPE, plus per-layer cis
-# parameters. Budgets of the released code (thunlp/NOSA NOSI defaults): window 1024 tokens
+# NOSA-8B: MiniCPM4's shape and vocabulary in a plain Llama layout (no muP), MiniCPM4-8B's
+# LongRoPE, plus per-layer cis parameters. Budgets of the released code (thunlp/NOSA NOSI defaults): window 1024 tokens
 # (16 blocks + the own block), 33 query-aware blocks in all, 64 in total, always sparse.
-_NOSA = ModelConfig(
+_NOSA = dataclasses.replace(
+    _MINICPM41,
     name="nosa-8b",
     arch="nosa",
-    vocab_size=73448,
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=2,
-    head_dim=128,
-    intermediate_size=16384,
-    rms_eps=1e-6,
-    rope_theta=10000.0,
     max_position_embeddings=32768,
     longrope=LongRoPEConfig(_MINICPM40_FACTORS, _MINICPM40_FACTORS, 32768),
-    tie_embeddings=False,
-    bos_token_id=1,
-    eos_token_ids=(2, 73440),
+    scale_emb=1.0,
+    scale_depth=None,
+    dim_model_base=None,
     sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=16, topk=64, kernel_size=32,
                         kernel_stride=16, dense_len=0, nosa_qk_topk=33),
-    forecast=ForecastConfig(supervision_k=256),
     source="NOSA-8B config.json dump (chiakicage/cxldsagr), thunlp/NOSA NOSI defaults; "
            "see docs/model-sources.md",
 )

@@ -108,6 +108,30 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _cmd_train(args) -> int:
+    import dataclasses
+
+    from .train.objective import TrainConfig
+    from .train.run import train
+
+    if args.coordinator:
+        import jax
+
+        jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    model = _load(args)
+    if args.teacher:
+        kernel, stride = args.teacher
+        model.config = model.config.replace(forecast=dataclasses.replace(
+            model.config.forecast, teacher_kernel_size=kernel, teacher_kernel_stride=stride))
+    tc = TrainConfig(seq_len=args.seq_len, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
+                     lr=args.lr, dtype=args.train_dtype, seed=args.seed)
+    summary = train(model, tc, args.out, data_paths=args.data, data_devices=args.data_devices,
+                    save_every=args.save_every, keep=args.keep, eval_every=args.eval_every,
+                    log=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _cmd_info(args) -> int:
     from .api import init_model
     from .config import get_preset, preset_names
@@ -164,6 +188,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")
     e.set_defaults(fn=_cmd_eval)
+
+    t = sub.add_parser("train", help="train the Forecast (frozen backbone); resumes from --out")
+    model_args(t)
+    t.add_argument("--data", nargs="+", help=".txt/.md files or directories (default: the training split "
+                                             "of the Python docs shipped with CPython)")
+    t.add_argument("--out", required=True, help="run directory: checkpoints, metrics, forecast.safetensors")
+    t.add_argument("--seq-len", type=int, default=4096)
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch", type=int, default=32, help="effective batch (sequences per step)")
+    t.add_argument("--micro-batch", type=int, default=4, help="sequences per forward (gradient accumulation)")
+    t.add_argument("--lr", type=float, default=5e-4)
+    t.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
+    t.add_argument("--teacher", type=int, nargs=2, metavar=("KERNEL", "STRIDE"),
+                   help="teacher compression (default 2 1; the paper's ablation uses 32 16)")
+    t.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
+    t.add_argument("--save-every", type=int, default=100)
+    t.add_argument("--keep", type=int, default=3)
+    t.add_argument("--eval-every", type=int, default=50)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--coordinator", help="multi-host: coordinator address for jax.distributed")
+    t.add_argument("--num-processes", type=int)
+    t.add_argument("--process-id", type=int)
+    t.set_defaults(fn=_cmd_train)
 
     i = sub.add_parser("info", help="list the presets with their parameter counts")
     i.add_argument("--model", help="one preset name")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +33,7 @@ from .model import DecoderLayer, KVCache, check_tokens, embed, rope_tables, unem
 from .select import (compress_cis, n_blocks_for, nosa_refine, select_blocks_forecast, select_blocks_infinigen,
                      select_blocks_infllmv2)
 
-__all__ = ["MODES", "Mode", "forward", "prefill", "decode_step", "DecodeState", "forward_cached"]
+__all__ = ["MODES", "Mode", "LayerView", "forward", "prefill", "decode_step", "DecodeState", "forward_cached"]
 
 Mode = Literal["dense", "sparse", "sparda", "infinigen"]
 MODES: tuple[str, ...] = ("dense", "sparse", "sparda", "infinigen")
@@ -133,8 +133,30 @@ def _per_layer_xs(params, forecast, infinigen, n_layers):
 
 # ----------------------------------------------------------------------------------- prefill
 
-@functools.partial(jax.jit, static_argnames=("plan", "return_kv", "return_q"))
-def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: bool, return_q: bool):
+class LayerView(NamedTuple):
+    """What a `tap` sees of one layer during `forward` (all traced arrays).
+
+    h, h_prev: this and the previous layer's normed input [B, T, D] (h_prev is 0 at layer 0);
+    q [B, T, H, Dh], k, v [B, T, K, Dh]: post-RoPE queries and keys, values; positions [B, T];
+    cos, sin: RoPE tables; sel: this layer's selector kernel (F0_cur or F_{l-1}) or None;
+    first: a traced bool, true at layer 0.
+    """
+
+    h: jax.Array
+    h_prev: jax.Array
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    positions: jax.Array
+    cos: jax.Array
+    sin: jax.Array
+    sel: jax.Array | None
+    first: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("plan", "return_kv", "return_q", "tap", "return_logits"))
+def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: bool, return_q: bool, tap=None,
+             return_logits: bool = True):
     c = plan.config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -162,6 +184,8 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
             aux["q"] = q
         if plan.collect:
             aux["ids"], aux["oracle"] = ids, oracle
+        if tap is not None:
+            aux["tap"] = tap(LayerView(h, h_prev, q, k, vv, positions, cos, sin, sel, first))
         return x, h, aux
 
     x = embed(params, tokens, c, plan.dtype)
@@ -174,7 +198,7 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
 
     first = jnp.arange(c.num_layers) == 0
     (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (lps, sels, igs, first))
-    return unembed(params, x, c), aux
+    return (unembed(params, x, c) if return_logits else None), aux
 
 
 def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect):
@@ -184,21 +208,24 @@ def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect):
 
 def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", forecast=None, infinigen=None,
             dtype=jnp.float32, dense_impl: str | None = None, sparse_impl: str | None = None,
-            return_kv: bool = False, return_q: bool = False, collect_selection: bool = False):
+            return_kv: bool = False, return_q: bool = False, collect_selection: bool = False, tap=None,
+            return_logits: bool = True):
     """Prefill-style forward over whole sequences from position 0 in any mode.
 
     tokens int [B, T] -> float32 logits [B, T, vocab], and with return_kv / collect_selection
     a dict of per-layer arrays with a leading L axis: k, v [L, B, T, K, Dh] (and NOSA's cis
     [L, B, T, K]); q [L, B, T, H, Dh] (post-RoPE queries); ids, oracle [L, B, K, T, topk]
     (the mode's selection and the InfLLM-V2 selection from the layer's true queries).
+    tap: a hashable function of a `LayerView` whose per-layer outputs come back stacked as
+    aux["tap"] (the Forecast's training loss is one); return_logits=False skips the LM head.
     """
     _validate(config, mode, forecast, infinigen)
     tokens = jnp.asarray(tokens)
     check_tokens(tokens, None)
     plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection)
     logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv,
-                           return_q=return_q)
-    if return_kv or return_q or collect_selection:
+                           return_q=return_q, tap=tap, return_logits=return_logits)
+    if return_kv or return_q or collect_selection or tap is not None:
         return logits, aux
     return logits
 

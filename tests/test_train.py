@@ -1,0 +1,173 @@
+"""Forecast training: objective, accumulation, data parallelism, data, checkpoints, export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparda_jax import get_preset, init_forecast, init_model
+from sparda_jax.api import Pretrained
+from sparda_jax.io import CheckpointError
+from sparda_jax.io.forecast_file import load_forecast, save_forecast
+from sparda_jax.train.data import WindowSampler, tokenize_documents
+from sparda_jax.train.objective import TrainConfig, forecast_loss, init_state, train_step
+from sparda_jax.train.run import train
+
+TINY = get_preset("tiny")
+
+
+class ByteTokenizer:
+    """A stand-in for the tiny model's 256-token vocabulary."""
+
+    eos_ids = (0,)
+
+    def encode(self, text):
+        return [b if b else 1 for b in text.encode("utf-8")]
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return init_model(TINY, jax.random.key(0))
+
+
+def _batch(key, shape):
+    return jax.random.randint(key, shape, 0, TINY.vocab_size, dtype=jnp.int32)
+
+
+def test_loss_decreases(tiny_params):
+    tc = TrainConfig(seq_len=96, batch=2, micro_batch=2, steps=30, lr=1e-2, dtype="float32")
+    state = init_state(init_forecast(TINY, jax.random.key(1)), tc)
+    batch = _batch(jax.random.key(2), (1, 2, 96))  # one fixed batch: the loss must fall
+    losses = []
+    for _ in range(30):
+        state, m = train_step(state, tiny_params, batch, config=TINY, tc=tc)
+        losses.append(float(m["loss"]))
+    assert losses[-1] < 0.6 * losses[0], losses
+    assert int(state.step) == 30
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_params):
+    tokens = _batch(jax.random.key(3), (4, 80))
+    f = init_forecast(TINY, jax.random.key(4))
+    one = TrainConfig(seq_len=80, batch=4, micro_batch=4, dtype="float32")
+    two = TrainConfig(seq_len=80, batch=4, micro_batch=2, dtype="float32")
+    s1, m1 = train_step(init_state(f, one), tiny_params, tokens.reshape(1, 4, 80), config=TINY, tc=one)
+    s2, m2 = train_step(init_state(f, two), tiny_params, tokens.reshape(2, 2, 80), config=TINY, tc=two)
+    assert float(m1["loss"]) == pytest.approx(float(m2["loss"]), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(s1.forecast), jax.tree.leaves(s2.forecast)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+def test_backbone_gets_no_gradient(tiny_params):
+    tokens = _batch(jax.random.key(5), (1, 64))
+    f = init_forecast(TINY, jax.random.key(6))
+    g = jax.grad(lambda b: forecast_loss(f, b, tokens, TINY)[0])(tiny_params)
+    assert all(float(jnp.abs(x).max()) == 0.0 for x in jax.tree.leaves(g))
+
+
+_DP_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from sparda_jax import get_preset, init_forecast, init_model
+    from sparda_jax.train.objective import TrainConfig, forecast_loss, init_state, train_step
+    from sparda_jax.train.run import make_mesh, shard_batch
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    assert jax.device_count() == 8
+    c = get_preset("tiny")
+    params = init_model(c, jax.random.key(0))
+    # random init gives near-uniform teacher and student (KL ~1e-4); sharpen both
+    layers = dict(params["layers"])
+    for n in ("q_proj", "k_proj"):
+        layers[n] = {"kernel": layers[n]["kernel"] * 8}
+    params = dict(params, layers=layers)
+    f = jax.tree.map(lambda a: a * 30, init_forecast(c, jax.random.key(1)))
+    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 8, 160), 0, c.vocab_size), np.int32)
+    tc = TrainConfig(seq_len=160, batch=8, micro_batch=8, dtype="float32")
+    # one device
+    l1, g1 = jax.value_and_grad(lambda f: forecast_loss(f, params, jnp.asarray(tokens[0]), c)[0])(f)
+    s1, m1 = train_step(init_state(f, tc), params, jnp.asarray(tokens), config=c, tc=tc)
+    # eight: the batch split over 'data', everything else replicated
+    mesh = make_mesh(8)
+    rep = NamedSharding(mesh, P())
+    batch = shard_batch(mesh, tokens, tokens.shape)
+    assert len(batch.sharding.device_set) == 8
+    p8, f8 = jax.device_put(params, rep), jax.device_put(f, rep)
+    l8, g8 = jax.value_and_grad(lambda f: forecast_loss(f, p8, batch[0], c)[0])(f8)
+    s8, m8 = train_step(jax.device_put(init_state(f, tc), rep), p8, batch, config=c, tc=tc)
+    # the same float32 math in another reduction order (rows summed per device, then across
+    # devices): KL terms of both signs cancel, so allow 1e-4 relative, ~1000 ulps
+    np.testing.assert_allclose(l8, l1, rtol=1e-4)
+    gmax = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1))
+    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * gmax)
+    for a, b in zip(jax.tree.leaves(s8.forecast), jax.tree.leaves(s1.forecast)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert float(l1) > 1e-3, float(l1)  # a loss with real supervision behind it
+    print("DP-OK", float(l1), float(l8))
+""")
+
+
+def test_data_parallel_equals_single_device():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, "-c", _DP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "DP-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_window_sampler_is_deterministic_and_resumable():
+    stream = np.arange(1000, dtype=np.int32)
+    s = WindowSampler(stream, 50, seed=3)
+    a = s.batch(7, 4)
+    assert a.shape == (4, 50)
+    np.testing.assert_array_equal(a, WindowSampler(stream, 50, seed=3).batch(7, 4))
+    np.testing.assert_array_equal(s.batch(7, 4, first=2, count=2), a[2:])  # a process's share
+    assert (np.diff(a, axis=1) == 1).all()  # contiguous windows of real text
+    assert not np.array_equal(s.batch(8, 4), a)
+    with pytest.raises(ValueError, match="fewer than seq_len"):
+        WindowSampler(stream[:10], 50)
+    toks = tokenize_documents(["ab", "c"], lambda t: [ord(ch) for ch in t], [0])
+    np.testing.assert_array_equal(toks, [97, 98, 0, 99, 0])
+
+
+def test_resume_matches_uninterrupted_run(tmp_path, tiny_params):
+    model = Pretrained(TINY, tiny_params, ByteTokenizer())
+    tc = TrainConfig(seq_len=64, batch=2, micro_batch=1, steps=6, lr=3e-3, dtype="float32")
+    kw = dict(save_every=2, keep=2, eval_every=3, eval_len=128, progress=False, log=lambda s: None)
+    train(model, tc, tmp_path / "a", **kw)
+    train(model, TrainConfig(**{**tc.__dict__, "steps": 3}), tmp_path / "b", **kw)  # "interrupted" at 3
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir())[-1] == "3"
+    train(model, tc, tmp_path / "b", **kw)  # resumes from step 3
+    load = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    a, b = load("a"), load("b")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([r["loss"] for r in b], [r["loss"] for r in a], rtol=1e-6)
+    assert (tmp_path / "a" / "metrics.png").stat().st_size > 1000
+    f_a = load_forecast(tmp_path / "a" / "forecast.safetensors", TINY)
+    f_b = load_forecast(tmp_path / "b" / "forecast.safetensors", TINY)
+    for x, y in zip(jax.tree.leaves(f_a), jax.tree.leaves(f_b)):
+        np.testing.assert_array_equal(x, y)
+    ckpts = sorted(int(p.name) for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name.isdigit())
+    assert ckpts == [4, 6]  # keep=2
+
+
+def test_forecast_file_roundtrip_and_errors(tmp_path):
+    f = init_forecast(TINY, jax.random.key(9))
+    path = save_forecast(tmp_path / "f.safetensors", f, TINY)
+    back = load_forecast(path, TINY)
+    for a, b in zip(jax.tree.leaves(f), jax.tree.leaves(back)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16), np.float32), b)  # stored as bf16
+    with pytest.raises(CheckpointError, match="needs"):
+        load_forecast(path, get_preset("smollm2-135m"))
+    with pytest.raises(FileNotFoundError):
+        load_forecast(tmp_path / "none.safetensors", TINY)

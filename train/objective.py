@@ -1,0 +1,132 @@
+"""The Forecast's training objective over a whole model, and the train state and step.
+
+Only the Forecast trains. The backbone runs under `stop_gradient` (nothing upstream of the
+Forecast depends on its parameters, so no backward pass goes through the backbone), and each
+layer's loss is computed inside the layer scan by a `tap` (`sparda_jax.modes.LayerView`), so
+memory holds one layer's queries and keys at a time, not L of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+
+from sparda_jax.config import ModelConfig
+from sparda_jax.forecast import forecast_from_hidden
+from sparda_jax.losses import layer_loss
+from sparda_jax.modes import LayerView, forward
+
+__all__ = ["ForecastLossTap", "TrainConfig", "TrainState", "forecast_loss", "make_optimizer", "init_state",
+           "train_step"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ForecastLossTap:
+    """Per layer: the partition KL of the Forecast that selects this layer (F0_cur on h at layer
+    0, else F_{l-1} on the previous layer's normed input) against this layer's teacher.
+    Returns (KL summed over rows, rows)."""
+
+    config: ModelConfig
+    dtype: str = "float32"
+    q_chunk: int = 256
+
+    def __call__(self, view: LayerView):
+        f = forecast_from_hidden(jnp.where(view.first, view.h, view.h_prev), view.sel, view.cos, view.sin,
+                                 jnp.dtype(self.dtype))
+        return layer_loss(f, view.q, view.k, view.positions, self.config.sparse, self.config.forecast,
+                          q_chunk=self.q_chunk)
+
+
+def forecast_loss(forecast, backbone, tokens, config: ModelConfig, *, dtype="float32", backbone_mode="dense",
+                  q_chunk: int = 256):
+    """Sum over layers of the mean partition KL per supervised row. tokens int [B, T].
+    Returns (loss, per-layer mean KL [L])."""
+    backbone = jax.lax.stop_gradient(backbone)
+    tap = ForecastLossTap(config, jnp.dtype(dtype).name, q_chunk)
+    _, aux = forward(backbone, tokens, config, mode=backbone_mode, forecast=forecast, dtype=dtype, tap=tap,
+                     return_logits=False)
+    kl, rows = aux["tap"]
+    per_layer = kl / jnp.maximum(rows, 1).astype(jnp.float32)
+    return jnp.sum(per_layer), per_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The paper's recipe by default (SPEC.md section 4): AdamW, constant lr 5e-4, weight decay
+    0.01, betas (0.9, 0.95), eps 1e-6, grad-norm clip 0.5, effective batch 32, 2000 steps, bf16."""
+
+    seq_len: int = 4096
+    batch: int = 32
+    micro_batch: int = 4
+    steps: int = 2000
+    lr: float = 5e-4
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-6
+    clip: float = 0.5
+    dtype: str = "bfloat16"
+    backbone_mode: str = "dense"
+    q_chunk: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("seq_len", "batch", "micro_batch", "steps", "q_chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch % self.micro_batch:
+            raise ValueError(f"TrainConfig.batch ({self.batch}) must be a multiple of micro_batch "
+                             f"({self.micro_batch})")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
+
+    @property
+    def accumulation(self) -> int:
+        return self.batch // self.micro_batch
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+    return optax.chain(
+        optax.clip_by_global_norm(tc.clip),
+        optax.adamw(tc.lr, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay),
+    )
+
+
+class TrainState(struct.PyTreeNode):
+    step: jax.Array
+    forecast: dict  # float32 master parameters
+    opt_state: optax.OptState
+
+
+def init_state(forecast, tc: TrainConfig) -> TrainState:
+    # a copy: train_step donates the state, and the caller may still hold these arrays
+    forecast = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), forecast)
+    return TrainState(jnp.zeros((), jnp.int32), forecast, make_optimizer(tc).init(forecast))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tc"), donate_argnames=("state",))
+def train_step(state: TrainState, backbone, batch, *, config: ModelConfig, tc: TrainConfig):
+    """batch int [accumulation, micro_batch, T] -> (new state, metrics). Gradients are averaged
+    over the micro-batches (every micro-batch has the same number of supervised rows)."""
+    loss_fn = functools.partial(forecast_loss, config=config, dtype=tc.dtype, backbone_mode=tc.backbone_mode,
+                                q_chunk=tc.q_chunk)
+    grad_fn = jax.value_and_grad(lambda f, b, t: loss_fn(f, b, t), has_aux=True)
+
+    def micro(acc, tokens):
+        (loss, per_layer), g = grad_fn(state.forecast, backbone, tokens)
+        return jax.tree.map(jnp.add, acc, (loss, per_layer, g)), None
+
+    zero = (jnp.float32(0), jnp.zeros((config.num_layers,), jnp.float32),
+            jax.tree.map(jnp.zeros_like, state.forecast))
+    (loss, per_layer, grads), _ = jax.lax.scan(micro, zero, batch)
+    n = batch.shape[0]
+    loss, per_layer, grads = loss / n, per_layer / n, jax.tree.map(lambda g: g / n, grads)
+    updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.forecast)
+    forecast = optax.apply_updates(state.forecast, updates)
+    metrics = {"loss": loss, "kl_per_layer": per_layer, "grad_norm": optax.tree.norm(grads)}
+    return TrainState(state.step + 1, forecast, opt_state), metrics

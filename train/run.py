@@ -1,0 +1,149 @@
+"""The training driver behind `sparda train`: data, mesh, loop, logging, checkpoints, export."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from tqdm.auto import tqdm
+
+from sparda_jax.api import Pretrained
+from sparda_jax.forecast import init_forecast
+from sparda_jax.io.forecast_file import save_forecast
+from sparda_jax.metrics import block_recall
+from sparda_jax.modes import forward
+from sparda_jax.text import haystack_tokens
+
+from .checkpoint import Checkpointer
+from .data import WindowSampler, load_documents, tokenize_documents
+from .objective import TrainConfig, TrainState, init_state, train_step
+
+__all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics"]
+
+
+def make_mesh(data_devices: int | None = None) -> Mesh:
+    """A 1-D data-parallel mesh over the first `data_devices` devices (all by default; across
+    hosts after `jax.distributed.initialize()`)."""
+    devices = jax.devices()
+    n = len(devices) if data_devices is None else data_devices
+    if not 1 <= n <= len(devices):
+        raise ValueError(f"mesh needs 1..{len(devices)} devices, asked for {n}")
+    return Mesh(np.asarray(devices[:n]), ("data",))
+
+
+def shard_batch(mesh: Mesh, local: np.ndarray, global_shape: tuple[int, ...]) -> jax.Array:
+    """[accumulation, micro_batch, T] with the micro-batch axis split over 'data'. Each process
+    passes its own rows (all of them in a single-process run)."""
+    sharding = NamedSharding(mesh, P(None, "data", None))
+    return jax.make_array_from_process_local_data(sharding, local, global_shape)
+
+
+def eval_recall(backbone, forecast, tokens, config, dtype) -> float:
+    """Block recall (content blocks) of the Forecast's selection against each layer's own
+    InfLLM-V2 choice, over all layers, on one sequence."""
+    _, aux = forward(backbone, tokens, config, mode="sparda", forecast=forecast, dtype=dtype,
+                     collect_selection=True)
+    pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+    ids = jnp.moveaxis(aux["ids"], 0, 1).reshape(tokens.shape[0], -1, *aux["ids"].shape[3:])
+    oracle = jnp.moveaxis(aux["oracle"], 0, 1).reshape(ids.shape)
+    # layers folded into the KV-head axis: the recall is micro-averaged over both
+    return float(block_recall(ids, oracle, pos, config.sparse))
+
+
+def plot_metrics(jsonl: Path, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [r["step"] for r in rows]
+    ax[0].plot(steps, [r["loss"] for r in rows], lw=1)
+    ax[0].set(xlabel="step", ylabel="partition KL, summed over layers", title="training loss")
+    ev = [r for r in rows if "recall" in r]
+    ax[1].plot([r["step"] for r in ev], [r["recall"] for r in ev], marker="o")
+    ax[1].set(xlabel="step", ylabel="block recall vs InfLLM-V2", title="held-out recall", ylim=(0, 1))
+    for a in ax:
+        a.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
+          save_every: int = 100, keep: int = 3, eval_every: int = 50, eval_len: int | None = None,
+          progress: bool = True, log=print) -> dict:
+    """Train the Forecast of `model`; resumes from out_dir/checkpoints if present. Writes
+    metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir."""
+    c = model.config
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError("training needs the model's tokenizer")
+    docs = load_documents(data_paths, "train")
+    stream = tokenize_documents(docs, tok.encode, list(c.eos_token_ids[:1]))
+    sampler = WindowSampler(stream, tc.seq_len, tc.seed)
+    held_out = jnp.asarray([haystack_tokens(tok.encode, eval_len or min(tc.seq_len, 8192), seed=tc.seed + 7,
+                                            docs=load_documents(None, "eval"))], jnp.int32)
+    mesh = make_mesh(data_devices)
+    n_data = mesh.devices.size
+    if tc.micro_batch % n_data:
+        raise ValueError(f"micro_batch ({tc.micro_batch}) must be a multiple of the data devices ({n_data})")
+    replicated = NamedSharding(mesh, P())
+    dtype = jnp.dtype(tc.dtype)
+    backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
+    state = jax.device_put(init_state(init_forecast(c, jax.random.key(tc.seed)), tc), replicated)
+    ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
+    restored = ckpt.restore(state)
+    if restored is not None:
+        state = restored
+        log(f"resumed from step {int(state.step)}")
+    (out / "config.json").write_text(json.dumps({"model": c.name, "train": asdict(tc),
+                                                 "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
+                                                 "corpus_tokens": int(stream.size), "data_devices": n_data},
+                                                indent=2))
+    metrics_path = out / "metrics.jsonl"
+    start = int(state.step)
+    if start == 0 and metrics_path.exists():
+        metrics_path.unlink()
+    # a resumed run keeps the lines up to its checkpoint and drops those after it
+    if metrics_path.exists():
+        kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
+        metrics_path.write_text("".join(k + "\n" for k in kept))
+    shape = (tc.accumulation, tc.micro_batch, tc.seq_len)
+    per_proc = tc.micro_batch // jax.process_count()
+    first_row = jax.process_index() * per_proc
+    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="train", disable=not progress)
+    last = {}
+    with open(metrics_path, "a") as mf:
+        for step in bar:
+            t0 = time.perf_counter()
+            rows = sampler.batch(step, tc.batch).reshape(shape)[:, first_row:first_row + per_proc]
+            state, m = train_step(state, backbone, shard_batch(mesh, rows, shape), config=c, tc=tc)
+            loss = float(m["loss"])  # waits for the step
+            dt = time.perf_counter() - t0
+            rec = {"step": step + 1, "loss": loss, "grad_norm": float(m["grad_norm"]),
+                   "tokens_per_s": tc.batch * tc.seq_len / dt,
+                   "kl_per_layer": [round(float(x), 5) for x in np.asarray(m["kl_per_layer"])]}
+            if (step + 1) % eval_every == 0 or step + 1 == tc.steps or step == start:
+                rec["recall"] = eval_recall(backbone, state.forecast, held_out, c, dtype)
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+            last = rec | ({"recall": rec["recall"]} if "recall" in rec else {"recall": last.get("recall")})
+            bar.set_postfix(loss=f"{loss:.4f}", recall=f"{last['recall']:.3f}" if last.get("recall") else "-",
+                            tok_s=f"{rec['tokens_per_s']:.0f}")
+            ckpt.save(step + 1, state, force=step + 1 == tc.steps)
+    ckpt.wait()
+    ckpt.close()
+    export = save_forecast(out / "forecast.safetensors", state.forecast, c,
+                           metadata={"steps": int(state.step), "train": asdict(tc), "teacher": asdict(c.forecast)})
+    plot_metrics(metrics_path, out / "metrics.png")
+    return {"steps": int(state.step), "final": last, "forecast": str(export), "metrics": str(metrics_path)}

@@ -22,7 +22,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sparda_jax.api import Pretrained
-from sparda_jax.forecast import init_forecast
+from sparda_jax.io.forecast_file import default_forecast
 from sparda_jax.infinigen import calibrate_on_corpus
 from sparda_jax.metrics import attention_mass, recall_counts
 from sparda_jax.modes import MODES, forward
@@ -52,7 +52,8 @@ def _nll(logits, tokens):
 def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, modes=MODES,
                    forecast=None, seed: int = 0, calib_len: int = 2048, progress: bool = True,
                    on_row=None) -> dict:
-    """Returns a JSON-ready dict (see the module docstring). forecast=None: an untrained one.
+    """Returns a JSON-ready dict (see the module docstring). forecast=None: the Forecast shipped
+    for this model, or an untrained one (the rows say which).
     on_row(partial_result) is called after every (length, mode) row, e.g. to save progress."""
     c = model.config
     for m in modes:
@@ -60,9 +61,10 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
             raise ValueError(f"unknown mode {m!r}; expected one of {', '.join(MODES)}")
     tok = model.tokenizer
     docs = python_docs_corpus()
-    trained = forecast is not None
     if forecast is None:
-        forecast = init_forecast(c, jax.random.key(seed))
+        forecast, trained = default_forecast(c, jax.random.key(seed))
+    else:
+        trained = True
     ig = None
     if "infinigen" in modes:
         ig = calibrate_on_corpus(model.params, c, tok.encode, tokens=calib_len, seed=seed, dtype=model.dtype)

@@ -54,16 +54,18 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
 
 
 def mode_inputs(model: Pretrained, modes, seed: int = 0, forecast=None) -> dict:
-    """What each mode needs beyond the backbone: the Forecast for sparda (untrained if none
-    is given) and InfiniGen's calibration (on training text)."""
+    """What each mode needs beyond the backbone: the Forecast for sparda (the shipped one, or
+    an untrained one if the package has none for this model) and InfiniGen's calibration."""
     import jax
 
-    from sparda_jax.forecast import init_forecast
     from sparda_jax.infinigen import calibrate_on_corpus
+    from sparda_jax.io.forecast_file import default_forecast
 
     extra = {"forecast_trained": forecast is not None}
     if "sparda" in modes:
-        extra["forecast"] = forecast if forecast is not None else init_forecast(model.config, jax.random.key(seed))
+        if forecast is None:
+            forecast, extra["forecast_trained"] = default_forecast(model.config, jax.random.key(seed))
+        extra["forecast"] = forecast
     if "infinigen" in modes:
         extra["infinigen"] = calibrate_on_corpus(model.params, model.config, model.tokenizer.encode, seed=seed,
                                                  dtype=model.dtype)

@@ -91,8 +91,13 @@ def _cmd_eval(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
 
+    forecast = None
+    if args.forecast:
+        from .io.forecast_file import load_forecast
+
+        forecast = load_forecast(args.forecast, model.config)
     result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
-                            seed=args.seed, on_row=lambda r: save(r, False))
+                            seed=args.seed, forecast=forecast, on_row=lambda r: save(r, False))
     save(result, True)
     table = markdown_table(result)
     if out is not None:
@@ -186,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     e.add_argument("--seqs", type=int, default=4, help="windows of held-out text per length")
     e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--forecast", help="a Forecast .safetensors (default: the one shipped for the model, if any)")
     e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")
     e.set_defaults(fn=_cmd_eval)
 

@@ -83,6 +83,10 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     """Train the Forecast of `model`; resumes from out_dir/checkpoints if present. Writes
     metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir."""
     c = model.config
+    span = c.sparse.forced_blocks * c.sparse.block_size
+    if tc.seq_len <= span:
+        raise ValueError(f"seq_len {tc.seq_len} gives no supervision: every position within "
+                         f"{span} tokens of a query is a forced (init or local) block")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = model.tokenizer

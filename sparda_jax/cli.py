@@ -179,8 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75],
                    help="where the fact sits, as fractions of the context")
     d.add_argument("--modes", nargs="+", default=["dense"],
-                   help="attention modes to compare: dense sparse sparda infinigen (sparda uses an "
-                        "untrained Forecast until a trained one ships)")
+                   help="attention modes to compare: dense sparse sparda infinigen (sparda uses the "
+                        "Forecast shipped for the model, or an untrained one if there is none)")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", help="write the results to this JSON file")
     d.set_defaults(fn=_cmd_demo)

@@ -171,3 +171,23 @@ def test_forecast_file_roundtrip_and_errors(tmp_path):
         load_forecast(path, get_preset("smollm2-135m"))
     with pytest.raises(FileNotFoundError):
         load_forecast(tmp_path / "none.safetensors", TINY)
+
+
+def test_shipped_smollm2_forecast_beats_untrained():
+    """The Forecast shipped in the package (trained on the H200, train/results/smollm2) picks
+    the layers' own InfLLM-V2 blocks far better than a random one on held-out text.
+    Measured at 2048 tokens: 0.951 trained vs 0.879 untrained (at 8K the gap is 0.771 vs 0.338,
+    eval/results/forecast_smollm2.md; 2K keeps this test fast on the CPU)."""
+    import sparda_jax as sj
+    from sparda_jax.io.forecast_file import default_forecast
+    from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
+    from sparda_jax.train.run import eval_recall
+
+    m = sj.load_pretrained("smollm2-135m")
+    f, trained = default_forecast(m.config)
+    assert trained
+    toks = jnp.asarray([haystack_tokens(m.tokenizer.encode, 2048, seed=5,
+                                        docs=corpus_split(python_docs_corpus(), "eval"))])
+    r_trained = eval_recall(m.params, f, toks, m.config, jnp.float32)
+    r_random = eval_recall(m.params, init_forecast(m.config, jax.random.key(0)), toks, m.config, jnp.float32)
+    assert r_trained > 0.92 and r_trained > r_random + 0.04, (r_trained, r_random)

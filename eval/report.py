@@ -1,0 +1,70 @@
+"""Merge result JSONs of `sparda eval` into one Markdown table (numbers never typed by hand).
+
+    python -m sparda_jax.eval.report OUT.md FILE[=LABEL] ...
+
+LABEL replaces the mode names of a file's rows (for a file of one mode, e.g. an ablation).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+__all__ = ["merge", "main"]
+
+
+def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
+    rows, sources = [], []
+    for spec in specs:
+        path, _, label = spec.partition("=")
+        d = json.loads(Path(path).read_text())
+        for r in d["rows"]:
+            rows.append(dict(r, mode=label or r["mode"]))
+        sources.append({"file": path, "command": d.get("command"), "commit": d["environment"].get("commit"),
+                        "device": d["environment"].get("device"), "budget": d.get("budget")})
+    return rows, sources
+
+
+def table(rows: list[dict]) -> str:
+    lengths = sorted({r["length"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    by = {(r["mode"], r["length"]): r for r in rows}
+    head = "| mode | " + " | ".join(f"ppl {n} | ppl {n} late half | recall {n} | mass {n}" for n in lengths) + " |"
+    lines = [head, "|---|" + "---|---|---|---|" * len(lengths)]
+    for m in modes:
+        cells = []
+        for n in lengths:
+            r = by.get((m, n))
+            if r is None:
+                cells.append("- | - | - | -")
+                continue
+            ci = r.get("nll_late_ci95")
+            late = f"{r['ppl_late']:.3f}" + (f" (±{ci:.3f} nats)" if ci is not None else "")
+            cells.append(f"{r['ppl']:.3f} | {late} | {r['recall']:.3f}" if "recall" in r else
+                         f"{r['ppl']:.3f} | {late} | -")
+            cells[-1] += f" | {r['attention_mass']:.3f}" if "attention_mass" in r else " | 1"
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) < 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    out, specs = Path(argv[0]), argv[1:]
+    rows, sources = merge(specs)
+    text = [table(rows), "", "Sources (each made by the command shown, on the device shown):", ""]
+    for s in sources:
+        text.append(f"- `{s['file']}`: `{s['command']}` at commit {str(s['commit'])[:12]} on {s['device']}")
+    text.append("")
+    text.append(f"Made by: `python -m sparda_jax.eval.report {shlex.join(argv)}`")
+    out.write_text("\n".join(text) + "\n")
+    print(out.read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,11 +26,11 @@ import jax.numpy as jnp
 from flax import struct
 
 from .attention import dense_attention, sparse_attention
-from .compress import CompressedKeys, compress_keys, num_chunks
+from .compress import CompressedKeys, compress_keys
 from .config import ModelConfig
 from .forecast import forecast_from_hidden, selector_kernels
 from .model import DecoderLayer, KVCache, check_tokens, embed, rope_tables, unembed
-from .select import (compress_cis, n_blocks_for, nosa_refine, select_blocks_forecast, select_blocks_infinigen,
+from .select import (compress_cis, nosa_refine, select_blocks_forecast, select_blocks_infinigen,
                      select_blocks_infllmv2)
 
 __all__ = ["MODES", "Mode", "LayerView", "forward", "prefill", "decode_step", "DecodeState", "forward_cached"]
@@ -124,7 +124,7 @@ def _selector_input(plan: _Plan, layer, lp, h, h_prev, sel_kernel, ig_proj, cos,
     return None
 
 
-def _per_layer_xs(params, forecast, infinigen, n_layers):
+def _per_layer_xs(params, forecast, infinigen):
     """Per-layer inputs: backbone params, the selector kernel (sparda), the InfiniGen projection."""
     sel = selector_kernels(forecast) if forecast is not None else None
     ig = infinigen.proj if infinigen is not None else None
@@ -162,7 +162,7 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     cos, sin = rope_tables(c, positions)
     layer = DecoderLayer(c, dtype=plan.dtype)
-    lps, sels, igs = _per_layer_xs(params, forecast, infinigen, c.num_layers)
+    lps, sels, igs = _per_layer_xs(params, forecast, infinigen)
     n_blocks = -(-t // c.sparse.block_size)
 
     def run(x, h_prev, lp, sel, ig, first):
@@ -297,7 +297,7 @@ def _decode(params, tokens, positions, state: DecodeState, forecast, infinigen, 
     sp = c.sparse
     cos, sin = rope_tables(c, positions)
     layer = DecoderLayer(c, dtype=plan.dtype)
-    lps, sels, igs = _per_layer_xs(params, forecast, infinigen, c.num_layers)
+    lps, sels, igs = _per_layer_xs(params, forecast, infinigen)
     rows = jnp.arange(tokens.shape[0])[:, None]
     pos0 = positions[:, 0]
     n_blocks = -(-state.size // sp.block_size)

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from .attention import NEG_INF
-from .compress import chunk_visible
+from .compress import chunk_visible, compress_keys
 from .config import SparseConfig
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
     "select_blocks_infinigen",
     "infinigen_chunk_scores",
     "compress_cis",
-    "select_from_block_scores",
 ]
 
 INF = jnp.inf
@@ -203,8 +202,6 @@ def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks
 
 def compress_cis(cis, sparse: SparseConfig) -> jax.Array:
     """NOSA: per-token cis [B, T, K] -> mean-pooled like the keys, [B, N_c, K] float32."""
-    from .compress import compress_keys
-
     return compress_keys(cis.astype(jnp.float32)[..., None], sparse.kernel_size, sparse.kernel_stride)[..., 0]
 
 
@@ -268,8 +265,3 @@ def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_d
         return finalize_topk(infinigen_chunk_scores(qc, pk, pc, sparse, nb, head_dim), pc, sparse.topk, sparse)
 
     return _map_query_chunks(one, q_chunk, qp, q_positions)
-
-
-def select_from_block_scores(block_scores, q_positions, sparse: SparseConfig) -> jax.Array:
-    """Top-k over precomputed block scores [B, K, Tq, N_b] (InfiniGen's speculated scores)."""
-    return finalize_topk(block_scores, q_positions, sparse.topk, sparse)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -191,7 +190,7 @@ def test_nosa_matches_reference():
     sparse = _sparse(block, kernel, stride, topk=7, nosa_qk_topk=5)
     kc = compress_keys(k, kernel, stride)
     ours = select_blocks_nosa(q, kc, compress_cis(cis, sparse), pos, sparse, q_chunk=6)
-    nb = ours.shape[-1] and -(-t // block)
+    nb = -(-t // block)
     qk_chunk = ref.infllmv2_chunk_scores_ref(np.asarray(q), np.asarray(kc), np.asarray(pos), kernel_size=kernel,
                                              stride=stride)
     qk_blocks = np.zeros((b, kh, 17, nb))
@@ -294,5 +293,5 @@ def test_decode_with_incremental_keys_selects_as_prefill():
         pp = jnp.array([p], jnp.int32)
         state = state.append(k[:, p], pp)
         step = select_blocks_infllmv2(q[:, p:p + 1], state.kc, pp[:, None], sparse,
-                                      n_blocks=prefill.shape[-1] and -(-t1 // 16))
+                                      n_blocks=-(-t1 // 16))
         np.testing.assert_array_equal(step[:, :, 0], prefill[:, :, p], err_msg=f"position {p}")

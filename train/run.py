@@ -22,7 +22,7 @@ from sparda_jax.text import haystack_tokens
 
 from .checkpoint import Checkpointer
 from .data import WindowSampler, load_documents, tokenize_documents
-from .objective import TrainConfig, TrainState, init_state, train_step
+from .objective import TrainConfig, init_state, train_step
 
 __all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics"]
 

@@ -137,6 +137,14 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_bench(args) -> int:
+    if args.name == "train":
+        from .bench.train_step import main as run
+    else:  # argparse restricts the choices
+        raise AssertionError(args.name)
+    return run(args)
+
+
 def _cmd_info(args) -> int:
     from .api import init_model
     from .config import get_preset, preset_names
@@ -217,6 +225,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-processes", type=int)
     t.add_argument("--process-id", type=int)
     t.set_defaults(fn=_cmd_train)
+
+    bn = sub.add_parser("bench", help="efficiency benchmarks (BENCHMARKS.md); JSON under bench/results")
+    bn.add_argument("name", choices=["train"])
+    bn.add_argument("--preset", default="minicpm4.1-8b")
+    bn.add_argument("--seq-len", type=int, default=32768)
+    bn.add_argument("--micro-batch", type=int, default=1)
+    bn.add_argument("--accumulation", type=int, default=1)
+    bn.add_argument("--layers", type=int, help="time fewer layers than the preset has (said in the JSON)")
+    bn.add_argument("--repeats", type=int, default=3)
+    bn.add_argument("--out", help="result JSON (e.g. bench/results/train.json)")
+    bn.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("info", help="list the presets with their parameter counts")
     i.add_argument("--model", help="one preset name")

@@ -1,0 +1,1 @@
+"""Efficiency benchmarks (BENCHMARKS.md); each writes bench/results/<name>.json."""

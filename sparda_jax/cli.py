@@ -77,12 +77,16 @@ def _cmd_demo(args) -> int:
 
 def _cmd_eval(args) -> int:
     from .envinfo import environment
-    from .eval.selection import eval_selection, markdown_table
 
     model = _load(args)
     t0 = time.perf_counter()
     env = environment()
     out = Path(args.out) if args.out else None
+    forecast = None
+    if args.forecast:
+        from .io.forecast_file import load_forecast
+
+        forecast = load_forecast(args.forecast, model.config)
 
     def save(result, complete: bool):
         result.update(environment=env, command="sparda " + " ".join(sys.argv[1:]),
@@ -91,24 +95,39 @@ def _cmd_eval(args) -> int:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
 
-    forecast = None
-    if args.forecast:
-        from .io.forecast_file import load_forecast
+    common = dict(seed=args.seed, on_row=lambda r: save(r, False))
+    if args.suite == "selection":
+        from .eval.selection import eval_selection, markdown_table
 
-        forecast = load_forecast(args.forecast, model.config)
-    result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
-                            seed=args.seed, forecast=forecast, on_row=lambda r: save(r, False))
+        result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
+                                forecast=forecast, **common)
+        table = markdown_table(result)
+        intro = (f"Budget {result['budget']}; {args.seqs} windows per length of {result['text']}.\n"
+                 "ppl = perplexity over all tokens (over the second half in parentheses); recall = share of\n"
+                 "the layer's own InfLLM-V2 content blocks (forced blocks excluded) that the mode also chose,\n"
+                 "all layers; mass = dense attention probability inside the selected blocks.\n")
+    elif args.suite == "tasks":
+        from .eval.accuracy import eval_tasks, plot_tasks, tasks_markdown
+
+        result = eval_tasks(model, tasks=tuple(args.tasks), lengths=tuple(args.lengths), samples=args.samples,
+                            modes=tuple(args.modes), forecast=forecast, **common)
+        table = tasks_markdown(result)
+        intro = (f"Budget {result['budget']}; haystacks from the {result['text']}; greedy answers of up to 40 "
+                 f"tokens.\n")
+        if out is not None:
+            plot_tasks(result, out.with_suffix(".png"))
+    else:
+        from .eval.budget import budget_markdown, eval_budget
+
+        result = eval_budget(model, topks=tuple(args.topks), length=args.lengths[0], samples=args.samples,
+                             seqs=args.seqs, **common)
+        table = budget_markdown(result)
+        intro = f"Budget sweep at {args.lengths[0]} tokens.\n"
     save(result, True)
-    table = markdown_table(result)
     if out is not None:
         out.with_suffix(".md").write_text(
-            f"# Selection quality and perplexity: {result['model']}\n\n"
-            f"Budget {result['budget']}; {result['rows'][0]['n_seqs']} windows per length of {result['text']}.\n"
-            f"ppl = perplexity over all tokens (over the second half in parentheses); recall = share of\n"
-            f"the layer's own InfLLM-V2 content blocks (forced blocks excluded) that the mode also chose,\n"
-            f"all layers; mass = dense attention probability inside the selected blocks.\n\n"
-            f"{table}\n\nCommand: `{result['command']}`; commit {result['environment']['commit']}; "
-            f"{result['environment']['device']}.\n")
+            f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n"
+            f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
     print(table)
     return 0
 
@@ -193,11 +212,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", help="write the results to this JSON file")
     d.set_defaults(fn=_cmd_demo)
 
-    e = sub.add_parser("eval", help="perplexity and selection quality of each mode on held-out text")
+    e = sub.add_parser("eval", help="accuracy of each mode: synthetic long-context tasks (default), "
+                                    "perplexity and selection quality, or a budget sweep")
     model_args(e)
+    e.add_argument("--suite", choices=["tasks", "selection", "budget"], default="tasks")
     e.add_argument("--modes", nargs="+", default=["dense", "sparse", "infinigen", "sparda"])
-    e.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
-    e.add_argument("--seqs", type=int, default=4, help="windows of held-out text per length")
+    e.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    e.add_argument("--tasks", nargs="+", default=["niah_single", "niah_multikey", "niah_multivalue",
+                                                  "niah_multiquery", "vt", "cwe", "fwe", "copy"])
+    e.add_argument("--samples", type=int, default=20, help="samples per (task, length, mode) cell")
+    e.add_argument("--seqs", type=int, default=4, help="selection suite: windows of held-out text per length")
+    e.add_argument("--topks", type=int, nargs="+", default=[12, 16, 24, 32], help="budget suite: block budgets")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--forecast", help="a Forecast .safetensors (default: the one shipped for the model, if any)")
     e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")

@@ -68,7 +68,10 @@ def infinigen_setup(params, config: ModelConfig, calib_tokens, *, ratio: float =
     return InfiniGenParams(jnp.asarray(proj, jnp.float32))
 
 
-def calibrate_on_corpus(params, config: ModelConfig, encode, *, tokens: int = 2048, seed: int = 0,
+CALIBRATION_TOKENS = 2048
+
+
+def calibrate_on_corpus(params, config: ModelConfig, encode, *, tokens: int = CALIBRATION_TOKENS, seed: int = 0,
                         ratio: float = 0.2, dtype=jnp.float32) -> InfiniGenParams:
     """`infinigen_setup` on `tokens` tokens of the training part of the default corpus (text
     that evaluation never uses)."""

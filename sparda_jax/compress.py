@@ -41,9 +41,16 @@ def compress_keys(k: jax.Array, kernel_size: int = 32, stride: int = 16) -> jax.
     n = num_chunks(t, kernel_size, stride)
     if n == 0:
         return jnp.zeros((b, 0, h, d), k.dtype)
-    s = jax.lax.reduce_window(k.astype(jnp.float32), 0.0, jax.lax.add, (1, kernel_size, 1, 1),
-                              (1, stride, 1, 1), "VALID")
-    return (s / kernel_size).astype(k.dtype)
+    # Sums of strided slices, not lax.reduce_window: XLA may lower a summing reduce_window to
+    # a convolution with a dense [N, T] window matrix, a T^2 buffer (32 GiB at 32K tokens).
+    kf = k.astype(jnp.float32)
+    if kernel_size % stride == 0:
+        # stride-sized group sums, then kernel_size / stride consecutive groups per chunk
+        groups = kf[:, : (t // stride) * stride].reshape(b, t // stride, stride, h, d).sum(axis=2)
+        acc = sum(groups[:, j: j + n] for j in range(kernel_size // stride))
+    else:
+        acc = sum(kf[:, j: j + (n - 1) * stride + 1: stride] for j in range(kernel_size))
+    return (acc / kernel_size).astype(k.dtype)
 
 
 @struct.dataclass

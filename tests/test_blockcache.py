@@ -1,0 +1,102 @@
+"""Slot assignment of the device block cache, against a plain loop, plus paged attention."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import selection_ref as ref
+from sparda_jax.attention import paged_sparse_attention_reference, sparse_attention_reference
+from sparda_jax.infer.blockcache import assign_slots, empty_table
+
+
+def _loop(table, wanted):
+    table = list(table)
+    slots, copy = [], []
+    keep = {b for b in table if b >= 0 and b in wanted}
+    free = [s for s, b in enumerate(table) if not (b >= 0 and b in keep)]
+    for w in wanted:
+        if w < 0:
+            slots.append(-1)
+            copy.append(False)
+        elif w in table:
+            slots.append(table.index(w))
+            copy.append(False)
+        else:
+            s = free.pop(0)
+            table[s] = w
+            slots.append(s)
+            copy.append(True)
+    return table, slots, copy
+
+
+def test_assign_slots_matches_loop_over_many_steps():
+    rng = np.random.default_rng(0)
+    rows, n_slots, n, nb = 6, 10, 6, 16
+    table = np.asarray(empty_table((rows,), n_slots))
+    copies = wanted_total = 0
+    for step in range(25):
+        wanted = np.full((rows, n), -1, np.int32)
+        for r in range(rows):
+            k = rng.integers(1, n + 1)
+            wanted[r, :k] = np.sort(rng.choice(nb, k, replace=False))
+        a = assign_slots(jnp.asarray(table), jnp.asarray(wanted))
+        for r in range(rows):
+            t, s, c = _loop(table[r], list(wanted[r]))
+            np.testing.assert_array_equal(a.table[r], t)
+            np.testing.assert_array_equal(a.slots[r], s)
+            np.testing.assert_array_equal(a.copy[r], c)
+            # every wanted block sits in its slot afterwards, no slot is used twice
+            got = np.asarray(a.slots[r])[wanted[r] >= 0]
+            assert len(set(got)) == len(got)
+            np.testing.assert_array_equal(np.asarray(a.table[r])[got], wanted[r][wanted[r] >= 0])
+        copies += int(a.n_copies)
+        wanted_total += int((wanted >= 0).sum())
+        table = np.asarray(a.table)
+    nofree = assign_slots(jnp.asarray(table), jnp.asarray(wanted), reuse=False)
+    assert int(nofree.n_copies) == int((wanted >= 0).sum())  # reuse off copies everything
+    assert copies < wanted_total  # reuse saved copies over the run
+
+
+def test_assign_slots_rejects_small_cache():
+    with pytest.raises(ValueError, match="at least as many slots"):
+        assign_slots(empty_table((1,), 3), jnp.zeros((1, 4), jnp.int32))
+
+
+def test_paged_attention_equals_contiguous():
+    """Scatter the selected blocks of a contiguous cache into random slots of a pool; attention
+    through the slot table equals attention on the contiguous cache (and the NumPy reference)."""
+    ks = jax.random.split(jax.random.key(1), 6)
+    b, s, kh, g, d, tq, n, bs, n_slots = 2, 70, 2, 3, 8, 3, 4, 8, 7
+    q = jax.random.normal(ks[0], (b, tq, kh * g, d))
+    k = jax.random.normal(ks[1], (b, s, kh, d))
+    v = jax.random.normal(ks[2], (b, s, kh, d))
+    bias = jax.random.normal(ks[3], (b, s, kh))
+    pos = jnp.array([[40, 55, 69], [10, 33, 68]], jnp.int32)
+    nb = -(-s // bs)
+    ids = np.full((b, kh, tq, n), -1, np.int32)
+    rng = np.random.default_rng(2)
+    for bi in range(b):
+        for m in range(kh):
+            for i in range(tq):
+                cand = int(pos[bi, i]) // bs + 1
+                c = min(int(rng.integers(1, n + 1)), cand)
+                ids[bi, m, i, :c] = rng.choice(cand, c, replace=False)
+    ids = jnp.asarray(ids)
+    # the pool: every block of the contiguous cache in a random slot order per (b, kv head)
+    pad = nb * bs - s
+    kb = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, bs, kh, d).transpose(0, 3, 1, 2, 4)
+    vb = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, nb, bs, kh, d).transpose(0, 3, 1, 2, 4)
+    cb = jnp.pad(bias, ((0, 0), (0, pad), (0, 0))).reshape(b, nb, bs, kh).transpose(0, 3, 1, 2)
+    perm = jnp.asarray(rng.permutation(nb))  # block j -> slot perm[j]
+    inv = jnp.argsort(perm)
+    k_pool, v_pool, c_pool = kb[:, :, inv], vb[:, :, inv], cb[:, :, inv]
+    slots = jnp.where(ids >= 0, perm[jnp.clip(ids, 0)], -1)
+    paged = paged_sparse_attention_reference(q, k_pool, v_pool, slots, ids, pos, block_size=bs, bias_pool=c_pool)
+    contiguous = sparse_attention_reference(q, k, v, ids, pos, block_size=bs, bias=bias)
+    np.testing.assert_allclose(paged, contiguous, atol=1e-6)
+    np.testing.assert_allclose(paged, ref.sparse_attention_ref(*(np.asarray(a) for a in (q, k, v, ids, pos, bias)),
+                                                               block_size=bs), atol=2e-6)
+    assert n_slots  # the pool here holds all nb blocks; the engine holds fewer

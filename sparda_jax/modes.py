@@ -65,7 +65,7 @@ def _validate(config: ModelConfig, mode: str, forecast, infinigen):
                                   "(kc_coarse); the model runs exact LSE")
 
 
-class _KeySide(struct.PyTreeNode):
+class KeySide(struct.PyTreeNode):
     """What selection and attention read of one layer's past: keys/values at positions 0..S-1,
     their compressed keys, NOSA's per-token and compressed cis, InfiniGen's partial keys."""
 
@@ -77,7 +77,25 @@ class _KeySide(struct.PyTreeNode):
     pk: jax.Array | None
 
 
-def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first, n_blocks: int):
+def select_for_mode(c: ModelConfig, mode: str, q, keys: KeySide, positions, sel_in, first, n_blocks: int):
+    """The block ids [B, K, T, topk] that `mode` selects for one layer (NOSA's cis stage
+    included). sel_in: `selector_input`'s output; first: traced bool, layer 0."""
+    sp = c.sparse
+    stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
+    own = lambda: select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks)
+    if mode == "sparse":
+        ids = own()
+    elif mode == "sparda":
+        ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks)
+    else:  # infinigen: layer 0 selects from its own queries, later layers from the partial queries
+        ids = jax.lax.cond(first, own, lambda: select_blocks_infinigen(sel_in, keys.pk, positions, stage1,
+                                                                       head_dim=c.head_dim, n_blocks=n_blocks))
+    if c.has_cis:
+        ids = nosa_refine(ids, keys.cis_c, positions, sp, n_blocks=n_blocks)
+    return ids
+
+
+def _attend(plan: _Plan, q, keys: KeySide, positions, sel_in, first, n_blocks: int):
     """Selection + attention for one layer. `first` is a traced bool (layer 0).
     Returns (attn [B, T, H, Dh], ids or None, oracle or None)."""
     c = plan.config
@@ -86,17 +104,8 @@ def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first, n_blocks: 
         out = dense_attention(q, keys.k, keys.v, positions if q.shape[1] != keys.k.shape[1] else None,
                               bias=keys.cis, implementation=plan.dense_impl)
         return out, None, None
+    ids = select_for_mode(c, plan.mode, q, keys, positions, sel_in, first, n_blocks)
     stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
-    own = lambda: select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks)
-    if plan.mode == "sparse":
-        ids = own()
-    elif plan.mode == "sparda":
-        ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks)
-    else:  # infinigen: layer 0 selects from its own queries, later layers from the partial queries
-        ids = jax.lax.cond(first, own, lambda: select_blocks_infinigen(sel_in, keys.pk, positions, stage1,
-                                                                       head_dim=c.head_dim, n_blocks=n_blocks))
-    if c.has_cis:
-        ids = nosa_refine(ids, keys.cis_c, positions, sp, n_blocks=n_blocks)
     oracle = None
     if plan.collect:
         oracle = ids if plan.mode == "sparse" else select_blocks_infllmv2(q, keys.kc, positions, stage1,
@@ -109,15 +118,19 @@ def _attend(plan: _Plan, q, keys: _KeySide, positions, sel_in, first, n_blocks: 
 
 
 def _selector_input(plan: _Plan, layer, lp, h, h_prev, sel_kernel, ig_proj, cos, sin, first):
-    """sparda: the Forecast that selects this layer (F0_cur on h at layer 0, else F_{l-1} on
-    h_prev); infinigen: the partial queries (unused at layer 0)."""
     if plan.dense:
         return None
-    if plan.mode == "sparda":
-        return forecast_from_hidden(jnp.where(first, h, h_prev), sel_kernel, cos, sin, plan.dtype)
-    if plan.mode == "infinigen":
+    return selector_input(plan.config, plan.mode, plan.dtype, layer, lp, h, h_prev, sel_kernel, ig_proj, cos, sin,
+                          first)
+
+
+def selector_input(c: ModelConfig, mode: str, dtype, layer, lp, h, h_prev, sel_kernel, ig_proj, cos, sin, first):
+    """sparda: the Forecast that selects this layer (F0_cur on h at layer 0, else F_{l-1} on
+    h_prev); infinigen: the partial queries (unused at layer 0); else None."""
+    if mode == "sparda":
+        return forecast_from_hidden(jnp.where(first, h, h_prev), sel_kernel, cos, sin, dtype)
+    if mode == "infinigen":
         q_spec = layer.apply(lp, h_prev, cos, sin, method="query")  # layer l's W_q on layer l-1's input
-        c = plan.config
         qg = q_spec.reshape(*q_spec.shape[:2], c.num_kv_heads, c.group_size, c.head_dim)
         return jnp.einsum("BTKGD,KDR->BTKGR", qg.astype(jnp.float32), ig_proj).reshape(
             *q_spec.shape[:2], c.num_heads, -1)
@@ -169,7 +182,7 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
         v = {"params": lp}
         h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
         cis = layer.apply(v, vv, method="cis") if c.has_cis else None
-        keys = _KeySide(k, vv, None if plan.dense else compress_keys(k, c.sparse.kernel_size, c.sparse.kernel_stride),
+        keys = KeySide(k, vv, None if plan.dense else compress_keys(k, c.sparse.kernel_size, c.sparse.kernel_stride),
                         cis, compress_cis(cis, c.sparse) if (c.has_cis and not plan.dense) else None,
                         jnp.einsum("BSKD,KDR->BSKR", k.astype(jnp.float32), ig) if ig is not None else None)
         sel_in = _selector_input(plan, layer, v, h, h_prev, sel, ig, cos, sin, first)
@@ -321,7 +334,7 @@ def _decode(params, tokens, positions, state: DecodeState, forecast, infinigen, 
         if st.pk is not None:
             pk = st.pk.at[rows, positions].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), ig))
             new = new.replace(pk=pk)
-        keys = _KeySide(ck.astype(q.dtype), cv.astype(q.dtype), kc, cis, cis_c, pk)
+        keys = KeySide(ck.astype(q.dtype), cv.astype(q.dtype), kc, cis, cis_c, pk)
         sel_in = _selector_input(plan, layer, v, h, h_prev, sel, ig, cos, sin, first)
         attn, _, _ = _attend(plan, q, keys, positions, sel_in, first, n_blocks)
         return layer.apply(v, x, attn, method="finish"), h, new

@@ -3,8 +3,8 @@
 Per (layer, sequence, KV head) the cache has `n_slots` slots of one 64-token block each and a
 table int32 [..., n_slots] of the block id held by each slot (-1: empty). Each decode step
 selects `n` blocks; `assign_slots` keeps the selected blocks that are already resident,
-puts the missing ones into slots whose blocks were not selected (lowest slot first), and
-returns the copy list. Slots not reused keep their old (still valid) blocks, so a block
+puts the missing ones into empty slots, then into slots whose blocks were not selected
+(lowest slot first), and returns the copy list. Slots not reused keep their old (still valid) blocks, so a block
 selected again a few steps later may still be resident.
 """
 
@@ -44,7 +44,11 @@ def assign_slots(table: jax.Array, wanted: jax.Array, *, reuse: bool = True) -> 
     free = ~keep
     missing = valid & ~resident
     miss_rank = jnp.cumsum(missing, axis=-1) - 1  # [..., n]
-    free_rank = jnp.where(free, jnp.cumsum(free, axis=-1) - 1, -1)  # [..., n_slots]
+    # fill empty slots first, then evict unselected blocks, lowest slot first: a block that
+    # was not selected now may be selected again soon, so it stays as long as there is room
+    prio = jnp.where(table >= 0, n_slots, 0) + jnp.arange(n_slots).reshape((1,) * (table.ndim - 1) + (-1,))
+    before = (prio[..., None, :] < prio[..., :, None]) & free[..., None, :]  # [..., s, s']: s' first
+    free_rank = jnp.where(free, jnp.sum(before, axis=-1), -1)
     pick = (free_rank[..., None, :] == miss_rank[..., :, None]) & missing[..., :, None]
     dst = jnp.argmax(pick, axis=-1)
     slots = jnp.where(resident, slot_if_resident, jnp.where(missing, dst, -1)).astype(jnp.int32)

@@ -17,6 +17,7 @@ def _loop(table, wanted):
     slots, copy = [], []
     keep = {b for b in table if b >= 0 and b in wanted}
     free = [s for s, b in enumerate(table) if not (b >= 0 and b in keep)]
+    free = [s for s in free if table[s] < 0] + [s for s in free if table[s] >= 0]  # empty slots first
     for w in wanted:
         if w < 0:
             slots.append(-1)

@@ -1,0 +1,343 @@
+"""The offload inference engine: KV of layers 1..L-1 in host memory, a device block cache.
+
+Where data lives (SPEC.md section 5):
+  host    full K/V of layers 1..L-1, paged in blocks: [L-1, B, K, nb, bs, Dh] (a block of one
+          KV head is one contiguous 16 KB run for MiniCPM4's Dh=128 in bf16), in the
+          `pinned_host` memory kind where the backend has it
+  device  layer 0's K/V (contiguous), compressed keys of every layer, InfiniGen's partial keys,
+          and the block cache: slots [L-1, B, K, n_slots, bs, Dh] with their table
+          [L-1, B, K, n_slots] (the block id each slot holds, -1 empty)
+
+Decode, per layer l >= 1: select blocks (the mode's selector), keep the resident ones, copy
+the missing ones from the host into free slots (`blockcache.assign_slots`), write the new
+token's K/V into its block's slot, attend through the slot table. In `sparda` the copy for
+layer l+1 is issued during layer l (its Forecast F_l is known there) and carried to the next
+iteration of the layer scan; `sparda_sync` copies at layer l. The numbers are the same; what
+differs is when the copy may run, which matters once the copy is asynchronous (the CUDA copy
+engine, a later step). A block reaches the host when prefill writes it or when decode
+completes it (its last token written); until then it lives in its slot, always resident
+because the local window forces it.
+
+Modes: dense_resident and sparse_resident run `sparda_jax.modes` with all KV on the device;
+sparse, infinigen, sparda_sync and sparda are the offload modes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.sharding import SingleDeviceSharding
+
+from sparda_jax.attention import paged_sparse_attention_reference, sparse_attention
+from sparda_jax.compress import CompressedKeys
+from sparda_jax.config import ModelConfig
+from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
+from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
+
+from .blockcache import assign_slots
+
+__all__ = ["ENGINE_MODES", "OFFLOAD_MODES", "OffloadState", "engine_prefill", "engine_decode_step",
+           "selector_of", "memory_report"]
+
+OFFLOAD_MODES = ("sparse", "infinigen", "sparda_sync", "sparda")
+RESIDENT_MODES = {"dense_resident": "dense", "sparse_resident": "sparse"}
+ENGINE_MODES = tuple(RESIDENT_MODES) + OFFLOAD_MODES
+
+
+def selector_of(mode: str) -> str:
+    """The `sparda_jax.modes` mode whose selection an engine mode uses."""
+    if mode in RESIDENT_MODES:
+        return RESIDENT_MODES[mode]
+    if mode not in OFFLOAD_MODES:
+        raise ValueError(f"unknown engine mode {mode!r}; expected one of {', '.join(ENGINE_MODES)}")
+    return {"sparse": "sparse", "infinigen": "infinigen", "sparda_sync": "sparda", "sparda": "sparda"}[mode]
+
+
+class OffloadState(struct.PyTreeNode):
+    k0: jax.Array            # [B, S, K, Dh] layer 0, device
+    v0: jax.Array
+    host_k: jax.Array        # [L-1, B, K, nb, bs, Dh] host
+    host_v: jax.Array
+    cache_k: jax.Array       # [L-1, B, K, n_slots, bs, Dh] device
+    cache_v: jax.Array
+    table: jax.Array         # [L-1, B, K, n_slots] int32
+    ckeys: CompressedKeys    # [L, ...] device
+    pk: jax.Array | None     # [L, B, S, K, r] InfiniGen partial keys, device
+
+    @property
+    def size(self) -> int:
+        return self.k0.shape[1]
+
+
+def _host_sharding():
+    dev = jax.devices()[0]
+    kinds = {m.kind for m in dev.addressable_memories()}
+    return SingleDeviceSharding(dev, memory_kind="pinned_host" if "pinned_host" in kinds else None)
+
+
+def _to_blocks(x, bs: int):
+    """[L, B, S, K, Dh] -> [L, B, K, nb, bs, Dh]."""
+    l, b, s, k, d = x.shape
+    nb = s // bs
+    return x.reshape(l, b, nb, bs, k, d).transpose(0, 1, 4, 2, 3, 5)
+
+
+def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, cache_size: int, n_slots: int | None = None,
+                   forecast=None, infinigen=None, dtype=jnp.float32):
+    """Prefill with all KV on the device (as the paper does), then move layers 1..L-1 to the
+    host and set up the block cache. Returns (last logits [B, V], state).
+
+    Resident modes return a `sparda_jax.modes.DecodeState`; offload modes an `OffloadState`.
+    `cache_size` is rounded up to whole blocks; n_slots defaults to the budget `topk`.
+    """
+    sel = selector_of(mode)
+    if config.has_cis and mode in OFFLOAD_MODES:
+        raise NotImplementedError("offload modes do not carry NOSA's cis yet; use the resident modes")
+    bs = config.sparse.block_size
+    cache_size = -(-cache_size // bs) * bs
+    last, st = prefill(params, tokens, lengths, config, cache_size=cache_size, mode=sel, forecast=forecast,
+                       infinigen=infinigen, dtype=dtype)
+    if mode in RESIDENT_MODES:
+        return last, st
+    n_slots = config.sparse.topk if n_slots is None else n_slots
+    if n_slots < config.sparse.topk:
+        raise ValueError(f"n_slots ({n_slots}) must be >= the block budget topk ({config.sparse.topk})")
+    host = _host_sharding()
+    hk = jax.device_put(_to_blocks(st.kv.k[1:], bs), host)
+    hv = jax.device_put(_to_blocks(st.kv.v[1:], bs), host)
+    l1, b, kh, d = config.num_layers - 1, tokens.shape[0], config.num_kv_heads, config.head_dim
+    shape = (l1, b, kh, n_slots, bs, d)
+    state = OffloadState(st.kv.k[0], st.kv.v[0], hk, hv, jnp.zeros(shape, st.kv.k.dtype), jnp.zeros(shape, st.kv.v.dtype),
+                         jnp.full(shape[:4], -1, jnp.int32), st.ckeys, st.pk)
+    return last, state
+
+
+@dataclasses.dataclass(frozen=True)
+class _EnginePlan:
+    config: ModelConfig
+    mode: str
+    dtype: jnp.dtype
+    reuse: bool
+
+
+def _gather_blocks(host_k_l, host_v_l, a, ids, cache_k_l, cache_v_l):
+    """Copy the missing blocks of one layer from the host into their slots.
+
+    The reference copy engine: the host layer comes to the device whole, then a gather (on a
+    GPU this is the slow path; the CUDA gather reads only the wanted blocks)."""
+    hk = jax.device_put(host_k_l, jax.memory.Space.Device)
+    hv = jax.device_put(host_v_l, jax.memory.Space.Device)
+    b, kh = ids.shape[:2]
+    bi = jnp.arange(b)[:, None, None]
+    hi = jnp.arange(kh)[None, :, None]
+    src = jnp.clip(ids, 0, hk.shape[2] - 1)
+    dst = jnp.where(a.copy, a.slots, cache_k_l.shape[2])  # not copied: out of range, dropped
+    cache_k_l = cache_k_l.at[bi, hi, dst].set(hk[bi, hi, src].astype(cache_k_l.dtype), mode="drop")
+    cache_v_l = cache_v_l.at[bi, hi, dst].set(hv[bi, hi, src].astype(cache_v_l.dtype), mode="drop")
+    return cache_k_l, cache_v_l
+
+
+def _write_token(cache_k_l, cache_v_l, slots, ids, pos, k_new, v_new, bs: int):
+    """Write the new token (k_new, v_new [B, K, Dh] at positions pos [B]) into the slot of its
+    block, which the selection always holds (the own block is forced)."""
+    b, kh = ids.shape[:2]
+    own = ids == (pos // bs)[:, None, None]  # [B, K, n]
+    slot = jnp.sum(jnp.where(own, slots, 0), axis=-1)  # [B, K]
+    bi = jnp.arange(b)[:, None]
+    hi = jnp.arange(kh)[None, :]
+    off = (pos % bs)[:, None]
+    cache_k_l = cache_k_l.at[bi, hi, slot, off].set(k_new.astype(cache_k_l.dtype))
+    cache_v_l = cache_v_l.at[bi, hi, slot, off].set(v_new.astype(cache_v_l.dtype))
+    return cache_k_l, cache_v_l
+
+
+class _Fetched(struct.PyTreeNode):
+    """One layer's selection and its cache after the copy: what `sparda` carries to the next
+    layer, and what the synchronous modes compute in place."""
+
+    ids: jax.Array       # [B, K, n]
+    slots: jax.Array     # [B, K, n]
+    cache_k: jax.Array   # [B, K, n_slots, bs, Dh]
+    cache_v: jax.Array
+    table: jax.Array     # [B, K, n_slots]
+    n_copies: jax.Array
+
+
+def _fetch(plan: _EnginePlan, ids, table, cache_k, cache_v, host_k_l, host_v_l, pos) -> _Fetched:
+    if not plan.reuse:
+        # the no-reuse baseline copies every selected block, except the one being written:
+        # its newest tokens exist only in its slot until the block completes
+        table = jnp.where(table == (pos // plan.config.sparse.block_size)[:, None, None], table, -1)
+    a = assign_slots(table, ids)
+    ck, cv = _gather_blocks(host_k_l, host_v_l, a, ids, cache_k, cache_v)
+    return _Fetched(ids, a.slots, ck, cv, a.table, a.n_copies)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+def _engine_decode(params, tokens, positions, state: OffloadState, forecast, infinigen, *, plan: _EnginePlan):
+    c = plan.config
+    sp = c.sparse
+    bs = sp.block_size
+    sel_mode = selector_of(plan.mode)
+    prefetch = plan.mode == "sparda"
+    pos = positions
+    qpos = pos[:, None]
+    cos, sin = rope_tables(c, qpos)
+    layer = DecoderLayer(c, dtype=plan.dtype)
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    n_blocks = -(-state.size // bs)
+    sels = None if forecast is None else jnp.concatenate([forecast["f0_cur"]["kernel"][None],
+                                                          forecast["f"]["kernel"]], axis=0)
+    igs = None if infinigen is None else infinigen.proj
+    lps = params["layers"]
+    at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+
+    def project(x, lp, l, ckeys_l, pk_l):
+        v = {"params": lp}
+        h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
+        ckeys_l = ckeys_l.append(k[:, 0], pos)
+        if pk_l is not None:
+            pk_l = pk_l.at[rows, qpos].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), igs[l]))
+        return v, h, q, k, vv, ckeys_l, pk_l
+
+    def select(v, h, h_prev, q, l, kc, pk_l, first):
+        sel_in = selector_input(c, sel_mode, plan.dtype, layer, v, h, h_prev,
+                                None if sels is None else sels[l], None if igs is None else igs[l], cos, sin, first)
+        keys = KeySide(None, None, kc, None, None, pk_l)
+        return select_for_mode(c, sel_mode, q, keys, qpos, sel_in, first, n_blocks)[:, :, 0]
+
+    def prefetch_next(h, l_next, table, cache_k, cache_v, ckeys_next):
+        """sparda: F_l (kernel l+1) against layer l+1's compressed keys, before layer l+1 has
+        appended its new key (that chunk lies in the forced local window)."""
+        f = selector_input(c, "sparda", plan.dtype, layer, None, h, h, sels[l_next], None, cos, sin, False)
+        keys = KeySide(None, None, ckeys_next.kc, None, None, None)
+        ids = select_for_mode(c, "sparda", None, keys, qpos, f, False, n_blocks)[:, :, 0]
+        return _fetch(plan, ids, table, cache_k, cache_v, state.host_k[l_next - 1], state.host_v[l_next - 1], pos)
+
+    # layer 0: KV on the device, contiguous
+    x = embed(params, tokens[:, None], c, plan.dtype)
+    v0, h0, q0, k0n, vv0, ck0, pk0 = project(x, at(lps, 0), 0, at(state.ckeys, 0),
+                                              None if state.pk is None else state.pk[0])
+    k0 = state.k0.at[rows, qpos].set(k0n.astype(state.k0.dtype))
+    v0c = state.v0.at[rows, qpos].set(vv0.astype(state.v0.dtype))
+    ids0 = select(v0, h0, h0, q0, 0, ck0.kc, pk0, True)
+    attn = sparse_attention(q0, k0.astype(q0.dtype), v0c.astype(q0.dtype), ids0[:, :, None], qpos, block_size=bs)
+    x = layer.apply(v0, x, attn, method="finish")
+    pre = None
+    if prefetch:
+        pre = prefetch_next(h0, 1, state.table[0], state.cache_k[0], state.cache_v[0], at(state.ckeys, 1))
+
+    # layers 1..L-1
+    ls = jnp.arange(1, c.num_layers)
+    # layer l+1's slices at iteration l (the last iteration gets a dummy): per-layer cache arrays
+    # are indexed by layer - 1, compressed keys by layer
+    nxt = lambda a: jnp.concatenate([a[1:], a[-1:]], axis=0)
+    xs = dict(l=ls, lp=jax.tree.map(lambda a: a[1:], lps), ckeys=jax.tree.map(lambda a: a[1:], state.ckeys),
+              pk=None if state.pk is None else state.pk[1:], table=state.table, cache_k=state.cache_k,
+              cache_v=state.cache_v)
+    if prefetch:
+        xs.update(n_table=nxt(state.table), n_cache_k=nxt(state.cache_k), n_cache_v=nxt(state.cache_v),
+                  n_ckeys=jax.tree.map(lambda a: jnp.concatenate([a[2:], a[-1:]], axis=0), state.ckeys))
+
+    def body(carry, xs):
+        x, h_prev, pre = carry
+        l = xs["l"]
+        v, h, q, kn, vn, ck, pk_l = project(x, xs["lp"], l, xs["ckeys"], xs["pk"])
+        if prefetch:
+            own = pre
+            last = l == c.num_layers - 1
+            new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache_k"],
+                                    xs["n_cache_v"], xs["n_ckeys"])
+            new_pre = new_pre.replace(n_copies=jnp.where(last, 0, new_pre.n_copies))
+        else:
+            ids = select(v, h, h_prev, q, l, ck.kc, pk_l, False)
+            own = _fetch(plan, ids, xs["table"], xs["cache_k"], xs["cache_v"], state.host_k[l - 1], state.host_v[l - 1],
+                         pos)
+            new_pre = None
+        ckl, cvl = _write_token(own.cache_k, own.cache_v, own.slots, own.ids, pos, kn[:, 0], vn[:, 0], bs)
+        attn = paged_sparse_attention_reference(q, ckl.astype(q.dtype), cvl.astype(q.dtype), own.slots[:, :, None],
+                                                own.ids[:, :, None], qpos, block_size=bs)
+        x = layer.apply(v, x, attn, method="finish")
+        out = dict(ckeys=ck, pk=pk_l, table=own.table, cache_k=ckl, cache_v=cvl, n_copies=own.n_copies,
+                   selected=jnp.sum(own.ids >= 0))
+        return (x, h, new_pre), out
+
+    (x, _, _), ys = jax.lax.scan(body, (x, h0, pre), xs)
+    join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)
+    new = state.replace(
+        k0=k0, v0=v0c, cache_k=ys["cache_k"], cache_v=ys["cache_v"], table=ys["table"],
+        ckeys=jax.tree.map(join, ck0, ys["ckeys"]), pk=None if state.pk is None else join(pk0, ys["pk"]))
+    new = _flush_completed(new, pos, bs)
+    # each layer's copies are counted once, by the iteration that consumes them
+    stats = {"copied_blocks": jnp.sum(ys["n_copies"]), "selected_blocks": jnp.sum(ys["selected"])}
+    return unembed(params, x, c)[:, 0], new, stats
+
+
+def _flush_completed(state: OffloadState, pos, bs: int) -> OffloadState:
+    """Blocks whose last token was written this step go from their slot to the host."""
+    done = (pos % bs) == bs - 1  # [B]
+    blk = pos // bs
+    hold = state.table == blk[None, :, None, None]  # [L-1, B, K, n_slots]
+    slot = jnp.argmax(hold, axis=-1)  # [L-1, B, K]
+    l1, b, kh = slot.shape
+    li = jnp.arange(l1)[:, None, None]
+    bi = jnp.arange(b)[None, :, None]
+    hi = jnp.arange(kh)[None, None, :]
+    bk = state.cache_k[li, bi, hi, slot]  # [L-1, B, K, bs, Dh]
+    bv = state.cache_v[li, bi, hi, slot]
+    nb = state.host_k.shape[3]
+    dst = jnp.where(done, blk, nb)[None, :, None]  # not done: out of range, dropped
+    hk = jax.device_put(state.host_k, jax.memory.Space.Device)
+    hv = jax.device_put(state.host_v, jax.memory.Space.Device)
+    hk = hk.at[li, bi, hi, dst].set(bk.astype(hk.dtype), mode="drop")
+    hv = hv.at[li, bi, hi, dst].set(bv.astype(hv.dtype), mode="drop")
+    return state.replace(host_k=jax.device_put(hk, jax.memory.Space.Host),
+                         host_v=jax.device_put(hv, jax.memory.Space.Host))
+
+
+def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
+                       infinigen=None, dtype=jnp.float32, reuse: bool = True):
+    """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
+    stats counts the blocks copied from the host and the blocks selected (layers >= 1)."""
+    sel = selector_of(mode)
+    if mode in RESIDENT_MODES:
+        logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
+                                 infinigen=infinigen, dtype=dtype)
+        return logits, st, {"copied_blocks": 0, "selected_blocks": 0}
+    if not isinstance(state, OffloadState):
+        raise TypeError(f"mode {mode!r} needs an OffloadState from engine_prefill")
+    if int(jnp.max(positions)) + 1 < config.sparse.dense_len:
+        raise NotImplementedError("offload modes decode sparse only; below dense_len use a resident mode")
+    if mode == "sparda" and config.sparse.local_blocks * config.sparse.block_size < config.sparse.kernel_size:
+        raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
+                         "(local_blocks * block_size >= kernel_size)")
+    plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse)
+    return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
+
+
+def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,
+                  dtype=jnp.bfloat16, mode: str = "sparda") -> dict:
+    """Bytes per component for a batch at a context length (what `engine_prefill` allocates)."""
+    it = jnp.dtype(dtype).itemsize
+    bs, kh, d, L = config.sparse.block_size, config.num_kv_heads, config.head_dim, config.num_layers
+    s = -(-context // bs) * bs
+    n_slots = config.sparse.topk if n_slots is None else n_slots
+    kv_layer = 2 * batch * s * kh * d * it
+    n_c = max(1, (s - config.sparse.kernel_size) // config.sparse.kernel_stride + 1)
+    rep = {
+        "device: layer 0 K/V": kv_layer,
+        "device: compressed keys": L * batch * n_c * kh * d * it,
+        "device: block cache": 2 * (L - 1) * batch * kh * n_slots * bs * d * it,
+    }
+    if mode in RESIDENT_MODES:
+        rep = {"device: K/V, all layers": L * kv_layer}
+    else:
+        rep["host: K/V of layers 1..L-1"] = (L - 1) * kv_layer
+    rep["device total"] = sum(v for k, v in rep.items() if k.startswith("device"))
+    rep["host total"] = sum(v for k, v in rep.items() if k.startswith("host"))
+    return rep
+

@@ -61,10 +61,15 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
              *, stop_ids: Sequence[int] = (), dtype=jnp.float32, mode: str = "dense", forecast=None,
-             infinigen=None, on_step: Callable[[list[list[int]]], None] | None = None) -> list[list[int]]:
-    """Generate for a batch of token-id prompts in any attention mode (`sparda_jax.MODES`);
-    returns the new tokens of each (stop token excluded). `on_step(generated)` is called after
-    every step with all tokens so far."""
+             infinigen=None, system: str | None = None, reuse: bool = True, return_stats: bool = False,
+             on_step: Callable[[list[list[int]]], None] | None = None):
+    """Generate for a batch of token-id prompts; returns the new tokens of each (stop token
+    excluded), and with return_stats a dict of engine counters.
+
+    mode: an attention mode of `sparda_jax.MODES`, all KV on the device. system: instead, one
+    of the engine's systems (`infer.engine.ENGINE_MODES`: dense_resident, sparse_resident,
+    sparse, infinigen, sparda_sync, sparda), where the offload systems keep the KV of layers
+    1..L-1 in host memory. `on_step(generated)` is called after every step."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     lengths = np.array([len(p) for p in prompts], np.int32)
@@ -77,8 +82,22 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    run = dict(mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype)
-    logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size, **run)
+    if system is not None:
+        from .engine import engine_decode_step, engine_prefill
+
+        run = dict(mode=system, forecast=forecast, infinigen=infinigen, dtype=dtype)
+        logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config,
+                                       cache_size=cache_size, **run)
+        step_fn = functools.partial(engine_decode_step, reuse=reuse, **run)
+    else:
+        run = dict(mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype)
+        logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size,
+                                **run)
+
+        def step_fn(*args, **kw):
+            lg, st = decode_step(*args, **run, **kw)
+            return lg, st, {}
+    stats = {"steps": 0, "copied_blocks": 0, "selected_blocks": 0}
     key = jax.random.key(sampling.seed)
     stop = set(int(s) for s in stop_ids)
     out: list[list[int]] = [[] for _ in prompts]
@@ -99,6 +118,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
             on_step(out)
         if done.all() or step == sampling.max_new_tokens - 1:
             break
-        logits, state = decode_step(params, nxt, positions, state, config, **run)
+        logits, state, st = step_fn(params, nxt, positions, state, config)
+        stats["steps"] += 1
+        for k in ("copied_blocks", "selected_blocks"):
+            stats[k] += int(st.get(k, 0))
         positions = positions + 1
-    return out
+    return (out, stats) if return_stats else out

@@ -52,9 +52,15 @@ def _cmd_generate(args) -> int:
         sys.stdout.flush()
         printed = len(s)
 
+    from .api import mode_kwargs, prepare_modes
+    from .infer.engine import selector_of
+
+    extra = prepare_modes(model, [selector_of(args.system)], seed=args.seed)
+    kw = mode_kwargs(extra, selector_of(args.system))
+    kw.pop("mode")
     t0 = time.perf_counter()
     out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
-                   dtype=model.dtype, on_step=stream)
+                   dtype=model.dtype, system=args.system, on_step=stream, **kw)
     dt = time.perf_counter() - t0
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
@@ -66,8 +72,8 @@ def _cmd_demo(args) -> int:
     from .infer.demo import results_table, run_retrieval
 
     model = _load(args)
-    results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths), modes=tuple(args.modes),
-                            seed=args.seed, log=lambda s: print(s, file=sys.stderr))
+    results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
+                            systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(results, indent=2))
@@ -198,16 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--system", default="dense_resident",
+                   choices=["dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda"],
+                   help="attention system; the last four keep the KV of layers 1.. in host memory")
     g.set_defaults(fn=_cmd_generate)
 
     d = sub.add_parser("demo", help="long-context retrieval on the default model (the README's main job)")
     model_args(d)
     d.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
-    d.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75],
+    d.add_argument("--depths", type=float, nargs="+", default=[0.5],
                    help="where the fact sits, as fractions of the context")
-    d.add_argument("--modes", nargs="+", default=["dense"],
-                   help="attention modes to compare: dense sparse sparda infinigen (sparda uses the "
-                        "Forecast shipped for the model, or an untrained one if there is none)")
+    d.add_argument("--systems", nargs="+", default=["dense_resident", "sparse", "sparda"],
+                   help="systems to compare: dense_resident sparse_resident (all KV on the device), sparse "
+                        "infinigen sparda_sync sparda (KV of layers 1.. in host memory); sparda uses the "
+                        "Forecast shipped for the model, or an untrained one")
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", help="write the results to this JSON file")
     d.set_defaults(fn=_cmd_demo)

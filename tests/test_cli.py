@@ -8,7 +8,8 @@ from sparda_jax.cli import main
 
 
 def test_generate_streams_an_answer(capsys):
-    assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12"]) == 0
+    assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
+                 "--system", "sparda"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
     assert "new tokens" in out.err
@@ -16,13 +17,13 @@ def test_generate_streams_an_answer(capsys):
 
 def test_demo_finds_the_fact(tmp_path, capsys):
     path = tmp_path / "demo.json"
-    assert main(["demo", "--context", "1024", "--depths", "0.5", "--json", str(path)]) == 0
+    assert main(["demo", "--context", "1024", "--depths", "0.5", "--systems", "dense_resident", "sparda",
+                 "--json", str(path)]) == 0
     results = json.loads(path.read_text())
-    assert len(results) == 1
-    r = results[0]
-    assert r["context_tokens"] == 1024
-    assert r["correct"], r
-    assert "dense | 1024 | 0.5 | True" in capsys.readouterr().out
+    assert [r["mode"] for r in results] == ["dense_resident", "sparda"]
+    assert all(r["context_tokens"] == 1024 and r["correct"] for r in results), results
+    assert results[0]["miss_rate"] is None and 0 < results[1]["miss_rate"] < 1
+    assert "dense_resident | 1024 | 0.5 | True" in capsys.readouterr().out
 
 
 def test_info_lists_presets(capsys):

@@ -95,3 +95,15 @@ def test_memory_report_minicpm_128k():
     assert r["device: compressed keys"] == 32 * n_c * 2 * 128 * 2
     assert r["device: block cache"] == 2 * 31 * 2 * 96 * 64 * 128 * 2  # topk slots per layer and head
     assert r["device total"] < 0.12 * r["host total"]
+
+
+def test_generation_through_the_engine_matches_resident(setup):
+    from sparda_jax.infer.generate import SamplingConfig, generate
+
+    params, forecast, _ = setup
+    prompts = [list(range(1, 80)), list(range(5, 70))]
+    cfg = SamplingConfig(max_new_tokens=40)
+    resident = generate(params, TINY, prompts, cfg, mode="sparda", forecast=forecast)
+    offload, stats = generate(params, TINY, prompts, cfg, system="sparda", forecast=forecast, return_stats=True)
+    assert offload == resident
+    assert stats["steps"] == 39 and 0 < stats["copied_blocks"] < stats["selected_blocks"]

@@ -24,6 +24,10 @@ def _load(args):
 
     t0 = time.perf_counter()
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True)
+    if getattr(args, "topk", None):
+        import dataclasses
+
+        model.config = model.config.replace(sparse=dataclasses.replace(model.config.sparse, topk=args.topk))
     print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model
 
@@ -195,6 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=default,
                         help="smollm2-135m, a .gguf file or an HF checkpoint directory")
         sp.add_argument("--dtype", choices=_DTYPES, default="float32", help="compute dtype")
+        sp.add_argument("--topk", type=int, help="block budget (forced blocks included); default: the preset's")
 
     g = sub.add_parser("generate", help="generate text (streaming)")
     model_args(g)

@@ -38,6 +38,8 @@ from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
 
+from sparda_jax.kernels.copy_engine import gather_blocks, paper_num_ctas
+
 from .blockcache import assign_slots
 
 __all__ = ["ENGINE_MODES", "OFFLOAD_MODES", "OffloadState", "engine_prefill", "engine_decode_step",
@@ -122,23 +124,37 @@ class _EnginePlan:
     mode: str
     dtype: jnp.dtype
     reuse: bool
+    copy_impl: str  # "cuda" (kernels/copy) or "xla" (the reference)
+    num_ctas: int
 
 
-def _gather_blocks(host_k_l, host_v_l, a, ids, cache_k_l, cache_v_l):
-    """Copy the missing blocks of one layer from the host into their slots.
+def _gather_blocks(plan, host_k, host_v, layer, a, ids, cache_k_l, cache_v_l):
+    """Copy the missing blocks of layer `layer` (1-based; host index layer - 1) from the host
+    pools [L-1, B, K, nb, bs, Dh] into the slots of cache_k_l/cache_v_l [B, K, n_slots, bs, Dh].
 
-    The reference copy engine: the host layer comes to the device whole, then a gather (on a
-    GPU this is the slow path; the CUDA gather reads only the wanted blocks)."""
-    hk = jax.device_put(host_k_l, jax.memory.Space.Device)
-    hv = jax.device_put(host_v_l, jax.memory.Space.Device)
-    b, kh = ids.shape[:2]
+    One flat task list per call: task (b, k, i) copies block ids[b, k, i] into slot
+    a.slots[b, k, i] when a.copy says so. The CUDA engine reads the whole pool in place (only
+    the wanted blocks cross PCIe); the reference slices the layer first."""
+    l1, b, kh, nb = host_k.shape[:4]
+    n_slots = cache_k_l.shape[2]
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
-    src = jnp.clip(ids, 0, hk.shape[2] - 1)
-    dst = jnp.where(a.copy, a.slots, cache_k_l.shape[2])  # not copied: out of range, dropped
-    cache_k_l = cache_k_l.at[bi, hi, dst].set(hk[bi, hi, src].astype(cache_k_l.dtype), mode="drop")
-    cache_v_l = cache_v_l.at[bi, hi, dst].set(hv[bi, hi, src].astype(cache_v_l.dtype), mode="drop")
-    return cache_k_l, cache_v_l
+    dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)
+    tail = cache_k_l.shape[3:]
+    flat_cache = lambda c: c.reshape(b * kh * n_slots, *tail)
+    if plan.copy_impl == "cuda":
+        src = jnp.where(a.copy, (((layer - 1) * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
+        flat_pool = lambda h: h.reshape(l1 * b * kh * nb, *tail)
+        ck = gather_blocks(flat_pool(host_k), src, dst, flat_cache(cache_k_l), num_ctas=plan.num_ctas,
+                           implementation="cuda")
+        cv = gather_blocks(flat_pool(host_v), src, dst, flat_cache(cache_v_l), num_ctas=plan.num_ctas,
+                           implementation="cuda")
+    else:
+        src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
+        layer_pool = lambda h: h[layer - 1].reshape(b * kh * nb, *tail)
+        ck = gather_blocks(layer_pool(host_k), src, dst, flat_cache(cache_k_l), implementation="xla")
+        cv = gather_blocks(layer_pool(host_v), src, dst, flat_cache(cache_v_l), implementation="xla")
+    return ck.reshape(cache_k_l.shape), cv.reshape(cache_v_l.shape)
 
 
 def _write_token(cache_k_l, cache_v_l, slots, ids, pos, k_new, v_new, bs: int):
@@ -167,13 +183,13 @@ class _Fetched(struct.PyTreeNode):
     n_copies: jax.Array
 
 
-def _fetch(plan: _EnginePlan, ids, table, cache_k, cache_v, host_k_l, host_v_l, pos) -> _Fetched:
+def _fetch(plan: _EnginePlan, ids, table, cache_k, cache_v, host_k, host_v, layer, pos) -> _Fetched:
     if not plan.reuse:
         # the no-reuse baseline copies every selected block, except the one being written:
         # its newest tokens exist only in its slot until the block completes
         table = jnp.where(table == (pos // plan.config.sparse.block_size)[:, None, None], table, -1)
     a = assign_slots(table, ids)
-    ck, cv = _gather_blocks(host_k_l, host_v_l, a, ids, cache_k, cache_v)
+    ck, cv = _gather_blocks(plan, host_k, host_v, layer, a, ids, cache_k, cache_v)
     return _Fetched(ids, a.slots, ck, cv, a.table, a.n_copies)
 
 
@@ -216,7 +232,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         f = selector_input(c, "sparda", plan.dtype, layer, None, h, h, sels[l_next], None, cos, sin, False)
         keys = KeySide(None, None, ckeys_next.kc, None, None, None)
         ids = select_for_mode(c, "sparda", None, keys, qpos, f, False, n_blocks)[:, :, 0]
-        return _fetch(plan, ids, table, cache_k, cache_v, state.host_k[l_next - 1], state.host_v[l_next - 1], pos)
+        return _fetch(plan, ids, table, cache_k, cache_v, state.host_k, state.host_v, l_next, pos)
 
     # layer 0: KV on the device, contiguous
     x = embed(params, tokens[:, None], c, plan.dtype)
@@ -255,8 +271,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
             new_pre = new_pre.replace(n_copies=jnp.where(last, 0, new_pre.n_copies))
         else:
             ids = select(v, h, h_prev, q, l, ck.kc, pk_l, False)
-            own = _fetch(plan, ids, xs["table"], xs["cache_k"], xs["cache_v"], state.host_k[l - 1], state.host_v[l - 1],
-                         pos)
+            own = _fetch(plan, ids, xs["table"], xs["cache_k"], xs["cache_v"], state.host_k, state.host_v, l, pos)
             new_pre = None
         ckl, cvl = _write_token(own.cache_k, own.cache_v, own.slots, own.ids, pos, kn[:, 0], vn[:, 0], bs)
         attn = paged_sparse_attention_reference(q, ckl.astype(q.dtype), cvl.astype(q.dtype), own.slots[:, :, None],
@@ -300,9 +315,13 @@ def _flush_completed(state: OffloadState, pos, bs: int) -> OffloadState:
 
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
-                       infinigen=None, dtype=jnp.float32, reuse: bool = True):
+                       infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
+                       num_ctas: int | None = None):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
-    stats counts the blocks copied from the host and the blocks selected (layers >= 1)."""
+    stats counts the blocks copied from the host and the blocks selected (layers >= 1).
+
+    copy_impl: "cuda" (the UVA gather of kernels/copy), "xla" (the reference); None picks cuda
+    on a GPU. num_ctas: the copy kernel's CTA quota (default: the paper's heuristic)."""
     sel = selector_of(mode)
     if mode in RESIDENT_MODES:
         logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
@@ -315,7 +334,11 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     if mode == "sparda" and config.sparse.local_blocks * config.sparse.block_size < config.sparse.kernel_size:
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
                          "(local_blocks * block_size >= kernel_size)")
-    plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse)
+    if copy_impl is None:
+        copy_impl = "cuda" if jax.default_backend() == "gpu" else "xla"
+    if num_ctas is None:
+        num_ctas = paper_num_ctas(int(tokens.shape[0]))
+    plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas)
     return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
 
 

@@ -1,0 +1,112 @@
+"""The copy engine: gather KV blocks from a pinned-host pool into device cache slots.
+
+`gather_blocks(pool, src, dst, cache, implementation=...)`:
+  "cuda"  the XLA FFI custom call of kernels/copy/gather_blocks.cu: the GPU reads the host pool
+          over UVA with a bounded persistent grid of `num_ctas` CTAs (built with nvcc against
+          `jax.ffi.include_dir()` on first use, cached by source hash);
+  "xla"   the reference with the same semantics, plain jnp (runs anywhere; on a GPU it brings
+          the whole pool to the device first, so it is only a reference there);
+  None    "cuda" on a CUDA GPU, else "xla".
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["gather_blocks", "gather_blocks_reference", "build_library", "nvcc_path", "paper_num_ctas"]
+
+SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
+TARGET = "sparda_gather_blocks"
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90",
+              "-gencode", "arch=compute_80,code=sm_80")
+
+
+def paper_num_ctas(batch: int, gpu: str = "H100") -> int:
+    """The paper's CTA quota: 16 below batch 32 (A100: 64), else 32."""
+    return 16 if batch < (64 if gpu.upper().startswith("A100") else 32) else 32
+
+
+def nvcc_path() -> str | None:
+    for cand in (os.environ.get("NVCC"), shutil.which("nvcc"),
+                 os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")):
+        if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
+            return cand
+    return None
+
+
+def build_library(cache_dir: str | Path | None = None, *, force: bool = False) -> Path:
+    """Compile gather_blocks.cu into a shared library (cached by source hash and flags)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set NVCC or CUDA_HOME); the CUDA copy engine needs it, "
+                           "implementation='xla' does not")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode() + include.encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
+    out = cache_dir / f"libsparda_gather_{key}.so"
+    if out.is_file() and not force:
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [nvcc, *NVCC_FLAGS, "-I", include, "-o", str(tmp), str(SOURCE)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+    tmp.replace(out)  # atomic: concurrent builders never see a partial file
+    return out
+
+
+@functools.cache
+def _register() -> None:
+    lib = ctypes.cdll.LoadLibrary(str(build_library()))
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpardaGatherBlocks), platform="CUDA")
+
+
+def _check(pool, src, dst, cache):
+    if pool.shape[1:] != cache.shape[1:]:
+        raise ValueError(f"pool blocks {pool.shape[1:]} and cache slots {cache.shape[1:]} differ")
+    if pool.dtype != cache.dtype:
+        raise TypeError(f"pool ({pool.dtype}) and cache ({cache.dtype}) dtypes differ")
+    if src.shape != dst.shape or src.ndim != 1:
+        raise ValueError(f"src and dst must be equal 1-D index arrays, got {src.shape}, {dst.shape}")
+
+
+def gather_blocks_reference(pool, src, dst, cache):
+    """cache[dst[i]] = pool[src[i]] for every i with src[i] >= 0 (in order; later tasks win)."""
+    _check(pool, src, dst, cache)
+    p = jax.device_put(pool, jax.memory.Space.Device) if _on_host(pool) else pool
+    ok = src >= 0
+    rows = p[jnp.clip(src, 0, p.shape[0] - 1)]
+    return cache.at[jnp.where(ok, dst, cache.shape[0])].set(rows, mode="drop")
+
+
+def _on_host(x) -> bool:
+    return jax.typeof(x).memory_space == jax.memory.Space.Host
+
+
+def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: str | None = None):
+    """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
+    (device) -> the updated cache. Blocks are whole trailing dims; their byte size must be a
+    multiple of 16 for "cuda"."""
+    if implementation is None:
+        implementation = "cuda" if jax.default_backend() == "gpu" else "xla"
+    if implementation == "xla":
+        return gather_blocks_reference(pool, src, dst, cache)
+    if implementation != "cuda":
+        raise ValueError(f"unknown implementation {implementation!r}; expected 'cuda' or 'xla'")
+    _check(pool, src, dst, cache)
+    _register()
+    block_bytes = int(np.prod(cache.shape[1:])) * jnp.dtype(cache.dtype).itemsize
+    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={3: 0})
+    return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
+                block_bytes=np.int64(block_bytes))

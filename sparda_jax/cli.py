@@ -169,6 +169,8 @@ def _cmd_train(args) -> int:
 def _cmd_bench(args) -> int:
     if args.name == "train":
         from .bench.train_step import main as run
+    elif args.name == "copy":
+        from .bench.copy import main as run
     else:  # argparse restricts the choices
         raise AssertionError(args.name)
     return run(args)
@@ -267,13 +269,15 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train)
 
     bn = sub.add_parser("bench", help="efficiency benchmarks (BENCHMARKS.md); JSON under bench/results")
-    bn.add_argument("name", choices=["train"])
+    bn.add_argument("name", choices=["train", "copy"])
     bn.add_argument("--preset", default="minicpm4.1-8b")
     bn.add_argument("--seq-len", type=int, default=32768)
     bn.add_argument("--micro-batch", type=int, default=1)
     bn.add_argument("--accumulation", type=int, default=1)
     bn.add_argument("--layers", type=int, help="time fewer layers than the preset has (said in the JSON)")
-    bn.add_argument("--repeats", type=int, default=3)
+    bn.add_argument("--repeats", type=int, default=3, help="timed repeats (copy: use ~20)")
+    bn.add_argument("--pool-mib", type=int, default=2048, help="copy: size of the pinned host pool")
+    bn.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="copy: MiB per gather")
     bn.add_argument("--out", help="result JSON (e.g. bench/results/train.json)")
     bn.set_defaults(fn=_cmd_bench)
 

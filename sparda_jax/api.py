@@ -104,12 +104,18 @@ def init_model(config: ModelConfig | str, key: jax.Array, *, param_dtype=jnp.flo
 def prepare_modes(model: Pretrained, modes, *, seed: int = 0, forecast=None) -> dict:
     """What each mode needs beyond the backbone, as keyword arguments for `forward`,
     `prefill`, `generate`: the Forecast for sparda (the given one, else the one shipped for the
-    model, else an untrained one) and InfiniGen's calibration on training text. The key
-    "forecast_trained" says whether the Forecast was trained."""
+    model, else an untrained one; forecast="random" asks for an untrained one) and InfiniGen's
+    calibration on training text. The key "forecast_trained" says whether the Forecast was
+    trained."""
+    from .forecast import init_forecast
     from .infinigen import calibrate_on_corpus
     from .io.forecast_file import default_forecast
 
-    extra = {"forecast_trained": forecast is not None}
+    extra = {"forecast_trained": forecast is not None and not isinstance(forecast, str)}
+    if isinstance(forecast, str):
+        if forecast != "random":
+            raise ValueError(f"forecast must be params, None or 'random', got {forecast!r}")
+        forecast = init_forecast(model.config, jax.random.key(seed))
     if "sparda" in modes:
         if forecast is None:
             forecast, extra["forecast_trained"] = default_forecast(model.config, jax.random.key(seed))

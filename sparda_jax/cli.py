@@ -92,8 +92,8 @@ def _cmd_eval(args) -> int:
     t0 = time.perf_counter()
     env = environment()
     out = Path(args.out) if args.out else None
-    forecast = None
-    if args.forecast:
+    forecast = args.forecast if args.forecast == "random" else None
+    if args.forecast and args.forecast != "random":
         from .io.forecast_file import load_forecast
 
         forecast = load_forecast(args.forecast, model.config)
@@ -241,7 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seqs", type=int, default=4, help="selection suite: windows of held-out text per length")
     e.add_argument("--topks", type=int, nargs="+", default=[12, 16, 24, 32], help="budget suite: block budgets")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--forecast", help="a Forecast .safetensors (default: the one shipped for the model, if any)")
+    e.add_argument("--forecast", help="a Forecast .safetensors, or 'random' for an untrained one (default: the "
+                                      "one shipped for the model, if any)")
     e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")
     e.set_defaults(fn=_cmd_eval)
 

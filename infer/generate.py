@@ -1,8 +1,8 @@
-"""Batched generation with a device KV cache (dense attention), greedy or sampled, streaming.
+"""Batched generation in any attention mode or engine system, greedy or sampled, streaming.
 
 The prompts of a batch may differ in length: they are right-padded, prefilled together, and
-each sequence then decodes at its own position (`decode_step` writes each new token's K/V
-into its own slot before attending, so padding slots are overwritten before they are seen).
+each sequence then decodes at its own position (each step writes the new token's K/V into
+its own slot before attending, so padding slots are overwritten before they are seen).
 """
 
 from __future__ import annotations

@@ -60,19 +60,27 @@ def selector_of(mode: str) -> str:
 
 
 class OffloadState(struct.PyTreeNode):
-    k0: jax.Array            # [B, S, K, Dh] layer 0, device
-    v0: jax.Array
-    host_k: jax.Array        # [L-1, B, K, nb, bs, Dh] host
-    host_v: jax.Array
-    cache_k: jax.Array       # [L-1, B, K, n_slots, bs, Dh] device
-    cache_v: jax.Array
-    table: jax.Array         # [L-1, B, K, n_slots] int32
-    ckeys: CompressedKeys    # [L, ...] device
-    pk: jax.Array | None     # [L, B, S, K, r] InfiniGen partial keys, device
+    """Per-token payloads travel together as dicts keyed "k", "v" and, for NOSA, "cis":
+
+    l0     layer 0 on the device, contiguous: k, v [B, S, K, Dh], cis [B, S, K]
+    host   layers 1..L-1 in host memory, paged: k, v [L-1, B, K, nb, bs, Dh], cis [L-1, B, K, nb, bs]
+    cache  the device block cache: k, v [L-1, B, K, n_slots, bs, Dh], cis [L-1, B, K, n_slots, bs]
+    table  [L-1, B, K, n_slots] int32 block id per slot (-1 empty)
+    ckeys  compressed keys of every layer; ccis NOSA's compressed cis (Dh = 1); pk InfiniGen's
+           partial keys [L, B, S, K, r]
+    """
+
+    l0: dict
+    host: dict
+    cache: dict
+    table: jax.Array
+    ckeys: CompressedKeys
+    ccis: CompressedKeys | None
+    pk: jax.Array | None
 
     @property
     def size(self) -> int:
-        return self.k0.shape[1]
+        return self.l0["k"].shape[1]
 
 
 def _host_sharding():
@@ -97,8 +105,6 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     `cache_size` is rounded up to whole blocks; n_slots defaults to the budget `topk`.
     """
     sel = selector_of(mode)
-    if config.has_cis and mode in OFFLOAD_MODES:
-        raise NotImplementedError("offload modes do not carry NOSA's cis yet; use the resident modes")
     bs = config.sparse.block_size
     cache_size = -(-cache_size // bs) * bs
     last, st = prefill(params, tokens, lengths, config, cache_size=cache_size, mode=sel, forecast=forecast,
@@ -108,13 +114,15 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     n_slots = config.sparse.topk if n_slots is None else n_slots
     if n_slots < config.sparse.topk:
         raise ValueError(f"n_slots ({n_slots}) must be >= the block budget topk ({config.sparse.topk})")
-    host = _host_sharding()
-    hk = jax.device_put(_to_blocks(st.kv.k[1:], bs), host)
-    hv = jax.device_put(_to_blocks(st.kv.v[1:], bs), host)
-    l1, b, kh, d = config.num_layers - 1, tokens.shape[0], config.num_kv_heads, config.head_dim
-    shape = (l1, b, kh, n_slots, bs, d)
-    state = OffloadState(st.kv.k[0], st.kv.v[0], hk, hv, jnp.zeros(shape, st.kv.k.dtype), jnp.zeros(shape, st.kv.v.dtype),
-                         jnp.full(shape[:4], -1, jnp.int32), st.ckeys, st.pk)
+    full = {"k": st.kv.k, "v": st.kv.v}
+    if config.has_cis:
+        full["cis"] = st.cis[..., None]  # a trailing unit axis: every payload is [..., tokens, K, X]
+    host_sharding = _host_sharding()
+    host = {n: jax.device_put(_to_blocks(a[1:], bs), host_sharding) for n, a in full.items()}
+    b, kh = tokens.shape[0], config.num_kv_heads
+    cache = {n: jnp.zeros((config.num_layers - 1, b, kh, n_slots, bs, a.shape[-1]), a.dtype) for n, a in full.items()}
+    state = OffloadState({n: a[0] for n, a in full.items()}, host, cache,
+                         jnp.full((config.num_layers - 1, b, kh, n_slots), -1, jnp.int32), st.ckeys, st.ccis, st.pk)
     return last, state
 
 
@@ -128,47 +136,41 @@ class _EnginePlan:
     num_ctas: int
 
 
-def _gather_blocks(plan, host_k, host_v, layer, a, ids, cache_k_l, cache_v_l):
+def _gather_blocks(plan, host: dict, layer, a, ids, cache_l: dict) -> dict:
     """Copy the missing blocks of layer `layer` (1-based; host index layer - 1) from the host
-    pools [L-1, B, K, nb, bs, Dh] into the slots of cache_k_l/cache_v_l [B, K, n_slots, bs, Dh].
-
-    One flat task list per call: task (b, k, i) copies block ids[b, k, i] into slot
+    pools [L-1, B, K, nb, bs, X] into the slots of the layer's cache [B, K, n_slots, bs, X],
+    every payload with the same task list: task (b, k, i) copies block ids[b, k, i] into slot
     a.slots[b, k, i] when a.copy says so. The CUDA engine reads the whole pool in place (only
     the wanted blocks cross PCIe); the reference slices the layer first."""
-    l1, b, kh, nb = host_k.shape[:4]
-    n_slots = cache_k_l.shape[2]
+    l1, b, kh, nb = host["k"].shape[:4]
+    n_slots = cache_l["k"].shape[2]
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
     dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)
-    tail = cache_k_l.shape[3:]
-    flat_cache = lambda c: c.reshape(b * kh * n_slots, *tail)
     if plan.copy_impl == "cuda":
         src = jnp.where(a.copy, (((layer - 1) * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
-        flat_pool = lambda h: h.reshape(l1 * b * kh * nb, *tail)
-        ck = gather_blocks(flat_pool(host_k), src, dst, flat_cache(cache_k_l), num_ctas=plan.num_ctas,
-                           implementation="cuda")
-        cv = gather_blocks(flat_pool(host_v), src, dst, flat_cache(cache_v_l), num_ctas=plan.num_ctas,
-                           implementation="cuda")
+        pool = lambda h: h.reshape(l1 * b * kh * nb, *h.shape[4:])
     else:
         src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
-        layer_pool = lambda h: h[layer - 1].reshape(b * kh * nb, *tail)
-        ck = gather_blocks(layer_pool(host_k), src, dst, flat_cache(cache_k_l), implementation="xla")
-        cv = gather_blocks(layer_pool(host_v), src, dst, flat_cache(cache_v_l), implementation="xla")
-    return ck.reshape(cache_k_l.shape), cv.reshape(cache_v_l.shape)
+        pool = lambda h: h[layer - 1].reshape(b * kh * nb, *h.shape[4:])
+    out = {}
+    for name, c in cache_l.items():
+        flat = c.reshape(b * kh * n_slots, *c.shape[3:])
+        out[name] = gather_blocks(pool(host[name]), src, dst, flat, num_ctas=plan.num_ctas,
+                                  implementation=plan.copy_impl).reshape(c.shape)
+    return out
 
 
-def _write_token(cache_k_l, cache_v_l, slots, ids, pos, k_new, v_new, bs: int):
-    """Write the new token (k_new, v_new [B, K, Dh] at positions pos [B]) into the slot of its
-    block, which the selection always holds (the own block is forced)."""
+def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
+    """Write the new token's payloads (each [B, K, X] at positions pos [B]) into the slot of
+    its block, which the selection always holds (the own block is forced)."""
     b, kh = ids.shape[:2]
     own = ids == (pos // bs)[:, None, None]  # [B, K, n]
     slot = jnp.sum(jnp.where(own, slots, 0), axis=-1)  # [B, K]
     bi = jnp.arange(b)[:, None]
     hi = jnp.arange(kh)[None, :]
     off = (pos % bs)[:, None]
-    cache_k_l = cache_k_l.at[bi, hi, slot, off].set(k_new.astype(cache_k_l.dtype))
-    cache_v_l = cache_v_l.at[bi, hi, slot, off].set(v_new.astype(cache_v_l.dtype))
-    return cache_k_l, cache_v_l
+    return {n: c.at[bi, hi, slot, off].set(new[n].astype(c.dtype)) for n, c in cache_l.items()}
 
 
 class _Fetched(struct.PyTreeNode):
@@ -177,20 +179,18 @@ class _Fetched(struct.PyTreeNode):
 
     ids: jax.Array       # [B, K, n]
     slots: jax.Array     # [B, K, n]
-    cache_k: jax.Array   # [B, K, n_slots, bs, Dh]
-    cache_v: jax.Array
+    cache: dict          # payload -> [B, K, n_slots, bs, X]
     table: jax.Array     # [B, K, n_slots]
     n_copies: jax.Array
 
 
-def _fetch(plan: _EnginePlan, ids, table, cache_k, cache_v, host_k, host_v, layer, pos) -> _Fetched:
+def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos) -> _Fetched:
     if not plan.reuse:
         # the no-reuse baseline copies every selected block, except the one being written:
         # its newest tokens exist only in its slot until the block completes
         table = jnp.where(table == (pos // plan.config.sparse.block_size)[:, None, None], table, -1)
     a = assign_slots(table, ids)
-    ck, cv = _gather_blocks(plan, host_k, host_v, layer, a, ids, cache_k, cache_v)
-    return _Fetched(ids, a.slots, ck, cv, a.table, a.n_copies)
+    return _Fetched(ids, a.slots, _gather_blocks(plan, host, layer, a, ids, cache_l), a.table, a.n_copies)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
@@ -211,81 +211,87 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     igs = None if infinigen is None else infinigen.proj
     lps = params["layers"]
     at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+    cis_c = lambda cc: None if cc is None else cc.kc[..., 0]
 
-    def project(x, lp, l, ckeys_l, pk_l):
+    def project(x, lp, l, ckeys_l, ccis_l, pk_l):
+        """Q/K/V (and NOSA's cis) of the new token; the per-layer device state appended."""
         v = {"params": lp}
         h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
+        new = {"k": k[:, 0], "v": vv[:, 0]}
         ckeys_l = ckeys_l.append(k[:, 0], pos)
+        if c.has_cis:
+            new["cis"] = layer.apply(v, vv, method="cis")[:, 0, :, None]  # [B, K, 1]
+            ccis_l = ccis_l.append(new["cis"], pos)
         if pk_l is not None:
             pk_l = pk_l.at[rows, qpos].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), igs[l]))
-        return v, h, q, k, vv, ckeys_l, pk_l
+        return v, h, q, new, ckeys_l, ccis_l, pk_l
 
-    def select(v, h, h_prev, q, l, kc, pk_l, first):
-        sel_in = selector_input(c, sel_mode, plan.dtype, layer, v, h, h_prev,
-                                None if sels is None else sels[l], None if igs is None else igs[l], cos, sin, first)
-        keys = KeySide(None, None, kc, None, None, pk_l)
-        return select_for_mode(c, sel_mode, q, keys, qpos, sel_in, first, n_blocks)[:, :, 0]
+    def select(mode, v, h, h_prev, q, l, kc, cc, pk_l, first):
+        sel_in = selector_input(c, mode, plan.dtype, layer, v, h, h_prev, None if sels is None else sels[l],
+                                None if igs is None else igs[l], cos, sin, first)
+        keys = KeySide(None, None, kc, None, cis_c(cc), pk_l)
+        return select_for_mode(c, mode, q, keys, qpos, sel_in, first, n_blocks)[:, :, 0]
 
-    def prefetch_next(h, l_next, table, cache_k, cache_v, ckeys_next):
+    def prefetch_next(h, l_next, table, cache_l, ckeys_next, ccis_next):
         """sparda: F_l (kernel l+1) against layer l+1's compressed keys, before layer l+1 has
-        appended its new key (that chunk lies in the forced local window)."""
-        f = selector_input(c, "sparda", plan.dtype, layer, None, h, h, sels[l_next], None, cos, sin, False)
-        keys = KeySide(None, None, ckeys_next.kc, None, None, None)
-        ids = select_for_mode(c, "sparda", None, keys, qpos, f, False, n_blocks)[:, :, 0]
-        return _fetch(plan, ids, table, cache_k, cache_v, state.host_k, state.host_v, l_next, pos)
+        appended its new key (that chunk lies in the forced local window, so the choice is
+        the same)."""
+        ids = select("sparda", None, h, h, None, l_next, ckeys_next.kc, ccis_next, None, False)
+        return _fetch(plan, ids, table, cache_l, state.host, l_next, pos)
 
-    # layer 0: KV on the device, contiguous
+    # layer 0: on the device, contiguous
     x = embed(params, tokens[:, None], c, plan.dtype)
-    v0, h0, q0, k0n, vv0, ck0, pk0 = project(x, at(lps, 0), 0, at(state.ckeys, 0),
-                                              None if state.pk is None else state.pk[0])
-    k0 = state.k0.at[rows, qpos].set(k0n.astype(state.k0.dtype))
-    v0c = state.v0.at[rows, qpos].set(vv0.astype(state.v0.dtype))
-    ids0 = select(v0, h0, h0, q0, 0, ck0.kc, pk0, True)
-    attn = sparse_attention(q0, k0.astype(q0.dtype), v0c.astype(q0.dtype), ids0[:, :, None], qpos, block_size=bs)
+    v0, h0, q0, new0, ck0, cc0, pk0 = project(x, at(lps, 0), 0, at(state.ckeys, 0),
+                                               None if state.ccis is None else at(state.ccis, 0),
+                                               None if state.pk is None else state.pk[0])
+    l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype)) for n, a in state.l0.items()}
+    ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
+    attn = sparse_attention(q0, l0["k"].astype(q0.dtype), l0["v"].astype(q0.dtype), ids0[:, :, None], qpos,
+                            block_size=bs, bias=l0["cis"][..., 0] if "cis" in l0 else None)
     x = layer.apply(v0, x, attn, method="finish")
     pre = None
     if prefetch:
-        pre = prefetch_next(h0, 1, state.table[0], state.cache_k[0], state.cache_v[0], at(state.ckeys, 1))
+        pre = prefetch_next(h0, 1, state.table[0], at(state.cache, 0), at(state.ckeys, 1),
+                            None if state.ccis is None else at(state.ccis, 1))
 
-    # layers 1..L-1
-    ls = jnp.arange(1, c.num_layers)
-    # layer l+1's slices at iteration l (the last iteration gets a dummy): per-layer cache arrays
-    # are indexed by layer - 1, compressed keys by layer
+    # layers 1..L-1. Per-layer cache arrays are indexed by layer - 1, compressed keys by layer;
+    # `nxt` gives iteration l the slices of layer l+1 (the last iteration gets a dummy).
     nxt = lambda a: jnp.concatenate([a[1:], a[-1:]], axis=0)
-    xs = dict(l=ls, lp=jax.tree.map(lambda a: a[1:], lps), ckeys=jax.tree.map(lambda a: a[1:], state.ckeys),
-              pk=None if state.pk is None else state.pk[1:], table=state.table, cache_k=state.cache_k,
-              cache_v=state.cache_v)
+    tail = lambda t: None if t is None else jax.tree.map(lambda a: a[1:], t)
+    xs = dict(l=jnp.arange(1, c.num_layers), lp=tail(lps), ckeys=tail(state.ckeys), ccis=tail(state.ccis),
+              pk=tail(state.pk), table=state.table, cache=state.cache)
     if prefetch:
-        xs.update(n_table=nxt(state.table), n_cache_k=nxt(state.cache_k), n_cache_v=nxt(state.cache_v),
-                  n_ckeys=jax.tree.map(lambda a: jnp.concatenate([a[2:], a[-1:]], axis=0), state.ckeys))
+        xs.update(n_table=nxt(state.table), n_cache=jax.tree.map(nxt, state.cache),
+                  n_ckeys=jax.tree.map(lambda a: nxt(a[1:]), state.ckeys),
+                  n_ccis=None if state.ccis is None else jax.tree.map(lambda a: nxt(a[1:]), state.ccis))
 
     def body(carry, xs):
         x, h_prev, pre = carry
         l = xs["l"]
-        v, h, q, kn, vn, ck, pk_l = project(x, xs["lp"], l, xs["ckeys"], xs["pk"])
+        v, h, q, new, ck, cc, pk_l = project(x, xs["lp"], l, xs["ckeys"], xs["ccis"], xs["pk"])
         if prefetch:
             own = pre
-            last = l == c.num_layers - 1
-            new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache_k"],
-                                    xs["n_cache_v"], xs["n_ckeys"])
-            new_pre = new_pre.replace(n_copies=jnp.where(last, 0, new_pre.n_copies))
+            new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
+                                    xs["n_ckeys"], xs["n_ccis"])
         else:
-            ids = select(v, h, h_prev, q, l, ck.kc, pk_l, False)
-            own = _fetch(plan, ids, xs["table"], xs["cache_k"], xs["cache_v"], state.host_k, state.host_v, l, pos)
+            ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
+            own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)
             new_pre = None
-        ckl, cvl = _write_token(own.cache_k, own.cache_v, own.slots, own.ids, pos, kn[:, 0], vn[:, 0], bs)
-        attn = paged_sparse_attention_reference(q, ckl.astype(q.dtype), cvl.astype(q.dtype), own.slots[:, :, None],
-                                                own.ids[:, :, None], qpos, block_size=bs)
+        cache_l = _write_token(own.cache, own.slots, own.ids, pos, new, bs)
+        attn = paged_sparse_attention_reference(
+            q, cache_l["k"].astype(q.dtype), cache_l["v"].astype(q.dtype), own.slots[:, :, None], own.ids[:, :, None],
+            qpos, block_size=bs, bias_pool=cache_l["cis"][..., 0] if "cis" in cache_l else None)
         x = layer.apply(v, x, attn, method="finish")
-        out = dict(ckeys=ck, pk=pk_l, table=own.table, cache_k=ckl, cache_v=cvl, n_copies=own.n_copies,
+        out = dict(ckeys=ck, ccis=cc, pk=pk_l, table=own.table, cache=cache_l, n_copies=own.n_copies,
                    selected=jnp.sum(own.ids >= 0))
         return (x, h, new_pre), out
 
     (x, _, _), ys = jax.lax.scan(body, (x, h0, pre), xs)
     join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)
     new = state.replace(
-        k0=k0, v0=v0c, cache_k=ys["cache_k"], cache_v=ys["cache_v"], table=ys["table"],
-        ckeys=jax.tree.map(join, ck0, ys["ckeys"]), pk=None if state.pk is None else join(pk0, ys["pk"]))
+        l0=l0, cache=ys["cache"], table=ys["table"], ckeys=jax.tree.map(join, ck0, ys["ckeys"]),
+        ccis=None if state.ccis is None else jax.tree.map(join, cc0, ys["ccis"]),
+        pk=None if state.pk is None else join(pk0, ys["pk"]))
     new = _flush_completed(new, pos, bs)
     # each layer's copies are counted once, by the iteration that consumes them
     stats = {"copied_blocks": jnp.sum(ys["n_copies"]), "selected_blocks": jnp.sum(ys["selected"])}
@@ -296,22 +302,19 @@ def _flush_completed(state: OffloadState, pos, bs: int) -> OffloadState:
     """Blocks whose last token was written this step go from their slot to the host."""
     done = (pos % bs) == bs - 1  # [B]
     blk = pos // bs
-    hold = state.table == blk[None, :, None, None]  # [L-1, B, K, n_slots]
-    slot = jnp.argmax(hold, axis=-1)  # [L-1, B, K]
+    slot = jnp.argmax(state.table == blk[None, :, None, None], axis=-1)  # [L-1, B, K]
     l1, b, kh = slot.shape
     li = jnp.arange(l1)[:, None, None]
     bi = jnp.arange(b)[None, :, None]
     hi = jnp.arange(kh)[None, None, :]
-    bk = state.cache_k[li, bi, hi, slot]  # [L-1, B, K, bs, Dh]
-    bv = state.cache_v[li, bi, hi, slot]
-    nb = state.host_k.shape[3]
+    nb = state.host["k"].shape[3]
     dst = jnp.where(done, blk, nb)[None, :, None]  # not done: out of range, dropped
-    hk = jax.device_put(state.host_k, jax.memory.Space.Device)
-    hv = jax.device_put(state.host_v, jax.memory.Space.Device)
-    hk = hk.at[li, bi, hi, dst].set(bk.astype(hk.dtype), mode="drop")
-    hv = hv.at[li, bi, hi, dst].set(bv.astype(hv.dtype), mode="drop")
-    return state.replace(host_k=jax.device_put(hk, jax.memory.Space.Host),
-                         host_v=jax.device_put(hv, jax.memory.Space.Host))
+    host = {}
+    for name, h in state.host.items():
+        d = jax.device_put(h, jax.memory.Space.Device)
+        d = d.at[li, bi, hi, dst].set(state.cache[name][li, bi, hi, slot].astype(d.dtype), mode="drop")
+        host[name] = jax.device_put(d, jax.memory.Space.Host)
+    return state.replace(host=host)
 
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,

@@ -14,36 +14,50 @@ from sparda_jax.infer.engine import engine_decode_step, engine_prefill, memory_r
 from sparda_jax.modes import decode_step, prefill
 
 TINY = get_preset("tiny")  # blocks of 16, init 1, local 1, topk 4
+TINY_NOSA = get_preset("tiny-nosa")
+
+
+def _make(config):
+    params = init_model(config, jax.random.key(0))
+    if config.has_cis:  # A starts at zero; make the cis bias and stage matter
+        layers = dict(params["layers"])
+        layers["cis_A"] = jax.random.normal(jax.random.key(1), layers["cis_A"].shape)
+        params = dict(params, layers=layers)
+    forecast = init_forecast(config, jax.random.key(2))
+    ig = infinigen_setup(params, config, jax.random.randint(jax.random.key(3), (1, 96), 0, config.vocab_size))
+    return params, forecast, ig
 
 
 @pytest.fixture(scope="module")
 def setup():
-    params = init_model(TINY, jax.random.key(0))
-    forecast = init_forecast(TINY, jax.random.key(2))
-    ig = infinigen_setup(params, TINY, jax.random.randint(jax.random.key(3), (1, 96), 0, TINY.vocab_size))
-    return params, forecast, ig
+    return _make(TINY)
 
 
-def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None):
+@pytest.fixture(scope="module")
+def setup_nosa():
+    return _make(TINY_NOSA)
+
+
+def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY):
     params, forecast, ig = setup
     b, t0 = 2, 70
-    tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, TINY.vocab_size)
+    tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
     lengths = jnp.array([t0, t0 - 11], jnp.int32)
     prompt = jnp.where(jnp.arange(t0)[None] < lengths[:, None], tokens[:, :t0], 0)
     kw = dict(forecast=forecast, infinigen=ig)
     if resident:
-        last, st = prefill(params, prompt, lengths, TINY, cache_size=t0 + steps, mode=selector_of(mode), **kw)
+        last, st = prefill(params, prompt, lengths, config, cache_size=t0 + steps, mode=selector_of(mode), **kw)
     else:
-        last, st = engine_prefill(params, prompt, lengths, TINY, mode=mode, cache_size=t0 + steps, n_slots=n_slots,
+        last, st = engine_prefill(params, prompt, lengths, config, mode=mode, cache_size=t0 + steps, n_slots=n_slots,
                                   **kw)
     out, copied, selected = [last], 0, 0
     pos = lengths
     for _ in range(steps - 12):
         tok = tokens[jnp.arange(b), pos]
         if resident:
-            logits, st = decode_step(params, tok, pos, st, TINY, mode=selector_of(mode), **kw)
+            logits, st = decode_step(params, tok, pos, st, config, mode=selector_of(mode), **kw)
         else:
-            logits, st, stats = engine_decode_step(params, tok, pos, st, TINY, mode=mode, reuse=reuse, **kw)
+            logits, st, stats = engine_decode_step(params, tok, pos, st, config, mode=mode, reuse=reuse, **kw)
             copied += int(stats["copied_blocks"])
             selected += int(stats["selected_blocks"])
         out.append(logits)
@@ -58,6 +72,15 @@ def test_offload_equals_resident(setup, mode):
     offload, copied, selected = _run(setup, mode)
     np.testing.assert_allclose(offload, resident, atol=2e-5)
     assert 0 < copied < selected  # the cache reused blocks
+
+
+@pytest.mark.parametrize("mode", ["sparse", "sparda"])
+def test_offload_equals_resident_nosa(setup_nosa, mode):
+    """NOSA: the cis stage of selection and the cis attention bias travel with the blocks."""
+    resident, _, _ = _run(setup_nosa, mode, resident=True, config=TINY_NOSA)
+    offload, copied, selected = _run(setup_nosa, mode, config=TINY_NOSA)
+    np.testing.assert_allclose(offload, resident, atol=2e-5)
+    assert 0 < copied < selected
 
 
 def test_reuse_changes_only_the_copies(setup):

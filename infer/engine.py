@@ -363,6 +363,9 @@ def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int
         rep = {"device: K/V, all layers": L * kv_layer}
     else:
         rep["host: K/V of layers 1..L-1"] = (L - 1) * kv_layer
+        if config.has_cis:  # NOSA: one float32 per token and KV head, beside K and V
+            rep["host: cis of layers 1..L-1"] = (L - 1) * batch * s * kh * 4
+            rep["device: block cache"] += (L - 1) * batch * kh * n_slots * bs * 4
     rep["device total"] = sum(v for k, v in rep.items() if k.startswith("device"))
     rep["host total"] = sum(v for k, v in rep.items() if k.startswith("host"))
     return rep

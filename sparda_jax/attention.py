@@ -132,7 +132,7 @@ def dense_attention(q, k, v, q_positions=None, *, bias=None,
 
 # ------------------------------------------------------------------------- block-sparse attention
 
-SparseImpl = Literal["xla"]
+SparseImpl = Literal["xla", "mosaic_gpu", "mosaic_gpu_interpret"]
 
 
 def _check_block_ids(q, k, block_ids):
@@ -257,9 +257,26 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
                      implementation: SparseImpl | None = None):
     """Block-sparse attention over the selected blocks (see `sparse_attention_reference`).
 
-    implementation: "xla" (the jnp reference); None picks the fastest correct path for the
-    platform (today: xla everywhere).
+    implementation:
+      "xla"                  the jnp reference (any platform, any layout of block_ids);
+      "mosaic_gpu"           the Pallas Mosaic GPU kernels (Hopper; bf16/f16): today decode only
+                             (Tq == 1, no bias), with block ids as the selectors emit them
+                             (ascending, unique, -1 padding at the end);
+      "mosaic_gpu_interpret" the same kernel run by the Mosaic GPU interpreter (CPU; tests);
+      None                   the reference everywhere until the kernels are validated on hardware.
     """
     if implementation in (None, "xla"):
         return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
+    if implementation in ("mosaic_gpu", "mosaic_gpu_interpret"):
+        from sparda_jax.kernels.sparse_decode import INTERPRET, sparse_decode_attention
+
+        _check_qkv(q, k, v, q_positions)
+        _check_block_ids(q, k, block_ids)
+        if q.shape[1] != 1 or bias is not None or block_size != 64:
+            raise NotImplementedError("the Mosaic GPU path covers decode (Tq == 1, 64-token blocks, no bias); "
+                                      "use implementation='xla'")
+        out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
+                                      q_positions[:, 0].astype(jnp.int32),
+                                      interpret=INTERPRET if implementation.endswith("interpret") else None)
+        return out[:, None]
     raise ValueError(f"unknown sparse attention implementation {implementation!r}")

@@ -1,0 +1,183 @@
+"""Block-sparse decode attention in Pallas Mosaic GPU (Hopper).
+
+One query token per sequence over its selected 64-token blocks, read from the contiguous
+cache [B, S, K, D] by block id. Grid (B, K, n_split): each CTA (one warpgroup) walks its share
+of the block list with double-buffered TMA copies, computes QK^T and PV with wgmma (the G query
+heads of a group padded to the 64 rows wgmma needs: decode is bound by reading K/V, not by the
+tensor cores), keeps an online softmax in the log2 domain, and writes a partial output with
+its log-sum-exp; the combine over splits runs in XLA.
+
+Drafted and checked in interpret mode and with the CPU lowering check (docs/mosaic-gpu-notes.md
+section 2); `sparse_decode_attention_reference` is the plain-jnp reference with the same
+signature. bf16/f16 only (wgmma operands); head dim a multiple of 64; the cache length a
+multiple of 64 (TMA boxes of whole blocks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "INTERPRET"]
+
+# Interpret mode (CPU): wgmma's A operand must come from SMEM and the accumulator cannot be
+# updated in place there, so the kernel has switches for those two (both lower for the GPU).
+INTERPRET = plgpu.InterpretGPUParams()
+
+
+
+
+BS, GP = 64, 64          # tokens per KV block; query rows per CTA (wgmma needs M % 64 == 0)
+MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 8 x 64 elems = 128 B
+
+def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split,
+                                                    p_via_smem=False, acc_in_place=True, interpret=None):
+    """q_pad [B,K,GP,D] bf16 (rows >= G zero); k, v [B,S,K,D] bf16; ids [B,K,n] int32
+    (ascending, -1 padded, unique); n_valid [B,K] int32; pos [B] int32 (query position).
+    -> o [B,K,n_split,GP,D] f32 (normalised per split), lse [B,K,n_split,GP] f32 (log2 units).
+    Interpret mode needs p_via_smem=True, acc_in_place=False."""
+    B, K, _, D = q_pad.shape
+    n = ids.shape[-1]
+    per = -(-n // n_split)
+    dtype = q_pad.dtype
+    scale_log2 = math.log2(math.e) / math.sqrt(D)
+
+    def body(q_ref, k_ref, v_ref, ids_ref, nv_ref, pos_ref, o_ref, lse_ref,
+                      q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, kv_bar):
+        b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
+        start = s * per
+        end = jnp.minimum(start + per, nv_ref[b, h])          # scalar loads straight from GMEM
+        p_b = pos_ref[b]
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+
+        def fetch(j, slot):                                   # one barrier, two arrivals (K and V)
+            blk = jnp.maximum(ids_ref[b, h, j], 0)
+            rows = pl.ds(pl.multiple_of(blk * BS, BS), BS)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem.at[slot], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem.at[slot], kv_bar.at[slot])
+
+        @pl.when(start < end)
+        def _():
+            fetch(start, 0)
+        plgpu.barrier_wait(q_bar)
+
+        row_l = plgpu.Layout.WGMMA.reduce(1)
+        m0 = plgpu.layout_cast(jnp.full((GP,), -jnp.inf, jnp.float32), row_l)
+        l0 = plgpu.layout_cast(jnp.zeros((GP,), jnp.float32), row_l)
+        a0 = plgpu.layout_cast(jnp.zeros((GP, D), jnp.float32), plgpu.Layout.WGMMA)
+
+        def step(j, carry):
+            acc, m_i, l_i = carry
+            slot = lax.rem(j - start, 2)
+            @pl.when(j + 1 < end)                               # prefetch next block (other slot is free:
+            def _():                                            # both wgmmas of step j-1 were awaited)
+                fetch(j + 1, 1 - slot)
+            plgpu.barrier_wait(kv_bar.at[slot])
+            blk = ids_ref[b, h, j]
+
+            def qk_fn(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)   # (64,D) @ (D,64); K^T via ref transpose
+                return acc_ref[...]                               # deref awaits the wgmma
+            qk = pl.run_scoped(qk_fn, plgpu.ACC((GP, BS), jnp.float32))
+
+            tok = blk * BS + plgpu.broadcasted_iota(jnp.int32, (GP, BS), 1, layout=plgpu.Layout.WGMMA)
+            sc = jnp.where(tok <= p_b, qk * scale_log2, -jnp.inf)
+            m_new = jnp.maximum(m_i, sc.max(axis=1))
+            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no (-inf) - (-inf)
+            alpha = jnp.exp2(m_i - m_safe)
+            p = jnp.exp2(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+            l_i = l_i * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            if p_via_smem:                                      # interpret mode: wgmma A must be a ref
+                p_smem[...] = p.astype(dtype)
+                plgpu.commit_smem()
+                a_op = p_smem
+            else:                                               # A from registers (as attention_mgpu.py)
+                a_op = p.astype(dtype)
+            if acc_in_place:                                    # FA3 style; not supported by interpret
+                def pv_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, a_op, v_smem.at[slot])
+                acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+            else:
+                def pv_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, a_op, v_smem.at[slot])
+                    return acc_ref[...]
+                acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((GP, D), jnp.float32))
+            return acc, m_new, l_i
+
+        acc, m_i, l_i = lax.fori_loop(start, end, step, (a0, m0, l0))   # dynamic trip count
+        nonempty = l_i > 0
+        l_safe = jnp.where(nonempty, l_i, 1.0)
+        o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+        lse_smem[...] = jnp.where(nonempty, m_i + jnp.log2(l_safe), -jnp.inf)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
+        plgpu.wait_smem_to_gmem(0)
+
+    return plgpu.kernel(
+            body,
+            out_type=(jax.ShapeDtypeStruct((B, K, n_split, GP, D), jnp.float32),
+                                jax.ShapeDtypeStruct((B, K, n_split, GP), jnp.float32)),
+            grid=(B, K, n_split), grid_names=("b", "h", "s"),
+            scratch_types=(
+                    plgpu.SMEM((GP, D), dtype, transforms=MMA_T),        # q
+                    plgpu.SMEM((2, BS, D), dtype, transforms=MMA_T),     # K double buffer
+                    plgpu.SMEM((2, BS, D), dtype, transforms=MMA_T),     # V double buffer
+                    plgpu.SMEM((GP, BS), dtype, transforms=MMA_T),       # P (only used if p_via_smem)
+                    plgpu.SMEM((GP, D), jnp.float32),                    # out staging
+                    plgpu.SMEM((GP,), jnp.float32),                      # lse staging
+                    plgpu.Barrier(),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=2),
+            ),
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            interpret=interpret,
+    )(q_pad, k, v, ids, n_valid, pos)
+
+
+def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int = 4, interpret=None):
+    """q [B,H,D]; k, v [B,S,K,D]; ids [B,K,n] int32 (ascending, unique, -1 padded at the end);
+    pos [B] int32 (each query's position) -> [B,H,D]. interpret: None (compiled, GPU) or
+    `INTERPRET` (CPU)."""
+    _check(q, k, v, ids, pos)
+    kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
+    kw["interpret"] = interpret
+    B, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    q_pad = jnp.zeros((B, K, GP, D), q.dtype).at[:, :, :G].set(q.reshape(B, K, G, D))
+    n_valid = jnp.sum(ids >= 0, axis=-1).astype(jnp.int32)
+    o, lse = sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, n_split=n_split, **kw)
+    o, lse = o[:, :, :, :G], lse[:, :, :, :G]
+    m = jnp.max(lse, axis=2, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp2(lse - m)                                   # 0 for empty splits
+    out = jnp.sum(w[..., None] * o, axis=2) / jnp.maximum(jnp.sum(w, axis=2), 1e-30)[..., None]
+    return out.reshape(B, H, D).astype(q.dtype)
+
+
+def _check(q, k, v, ids, pos):
+    b, h, d = q.shape
+    if k.shape != v.shape or k.ndim != 4 or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k, v must be [B, S, K, D] matching q {q.shape}; got {k.shape}, {v.shape}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"the Mosaic GPU decode kernel takes bf16/f16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d % 64 or k.shape[1] % BS:
+        raise ValueError(f"head dim ({d}) and cache length ({k.shape[1]}) must be multiples of 64")
+    if h % k.shape[2] or h // k.shape[2] > GP:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({k.shape[2]}), at most {GP} per group")
+    if ids.shape[:2] != (b, k.shape[2]) or ids.ndim != 3 or pos.shape != (b,):
+        raise ValueError(f"ids must be [B, K, n] and pos [B]; got {ids.shape}, {pos.shape}")
+
+
+def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int = 4, interpret=None):
+    """The plain-jnp reference with the kernel's signature (n_split, interpret are ignored)."""
+    from sparda_jax.attention import sparse_attention_reference
+
+    out = sparse_attention_reference(q[:, None], k, v, ids[:, :, None], pos[:, None], block_size=BS)
+    return out[:, 0]

@@ -59,6 +59,9 @@ def dense_attention_reference(q, k, v, q_positions=None, *, bias=None, chunk: in
     """
     q_positions = _resolve_positions(q, k, q_positions)
     _check_qkv(q, k, v, q_positions)
+    # Masks that depend on positions alone are loop-invariant inside a layer loop: XLA hoists
+    # them and materializes every chunk's at once ([T, T]-sized). Tie them to q to keep them here.
+    q_positions, q = jax.lax.optimization_barrier((q_positions, q))
     b, tq, h, d = q.shape
     s, kh = k.shape[1], k.shape[2]
     g = h // kh

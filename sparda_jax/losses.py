@@ -16,6 +16,7 @@ those). Everything here lives on the compressed grid.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -122,12 +123,20 @@ def layer_loss(f, q, k, q_positions, sparse: SparseConfig, fc: ForecastConfig, *
     """Mean partition KL of one layer over rows (B, K, query) that have supervision.
 
     f [B, T, K, D] the Forecast selecting this layer (carries the gradient); q [B, T, H, D] and
-    k [B, S, K, D] the layer's true queries and keys (no gradient). Chunked over queries; each
-    chunk is rematerialized in the backward pass so memory stays O(q_chunk * S).
+    k [B, S, K, D] the layer's true queries and keys (no gradient). Chunked over queries.
     Returns (sum of KL, number of rows).
+
+    The gradient with respect to f is computed chunk by chunk in the forward pass and is the
+    only thing kept for the backward pass (a custom VJP). Differentiating through the chunk scan
+    instead made JAX stack each chunk's masks as residuals, [T, T]-sized per layer even under
+    `jax.checkpoint` (32 GiB of them for minicpm4.1-8b at 32K: the out-of-memory of the first
+    32K training run); the fused gradient keeps memory at O(q_chunk * S) plus f's own size.
     """
-    q = jax.lax.stop_gradient(q)
-    k = jax.lax.stop_gradient(k)
+    return _layer_loss(f, jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), q_positions, sparse, fc, q_chunk)
+
+
+def _layer_loss_and_grad(f, q, k, q_positions, sparse, fc, q_chunk):
+    """(sum of KL, rows) and d(sum of KL)/df, one query chunk at a time."""
     kc = compress_keys(k, sparse.kernel_size, sparse.kernel_stride)
     n_c = kc.shape[1]
     b, t = q.shape[:2]
@@ -139,18 +148,38 @@ def layer_loss(f, q, k, q_positions, sparse: SparseConfig, fc: ForecastConfig, *
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
         return jnp.moveaxis(a.reshape(b, n, c, *a.shape[2:]), 1, 0)
 
-    @jax.checkpoint
     def one(carry, xs):
         fc_, qc, pc = xs
-        teacher = jax.lax.stop_gradient(teacher_scores(qc, k, pc, sparse, fc, n_c))
-        student = student_probs(fc_, kc, pc, sparse)
         keep = ~excluded_positions(n_c, pc, sparse)[:, None]  # [B, 1, c, N_c]
-        teacher = teacher * keep
-        student = student * keep
-        kl = partition_kl(teacher, student, fc.supervision_k)  # [B, K, c]
+        teacher = teacher_scores(qc, k, pc, sparse, fc, n_c) * keep
         has = jnp.sum(teacher, axis=-1) > 0
-        return (carry[0] + jnp.sum(jnp.where(has, kl, 0.0)), carry[1] + jnp.sum(has)), None
 
-    (total, rows), _ = jax.lax.scan(one, (jnp.float32(0), jnp.int32(0)),
-                                    (split(f), split(q), split(q_positions, -1)))
-    return total, rows
+        def kl_of(f_):
+            kl = partition_kl(teacher, student_probs(f_, kc, pc, sparse) * keep, fc.supervision_k)  # [B, K, c]
+            return jnp.sum(jnp.where(has, kl, 0.0))
+
+        kl, pull = jax.vjp(kl_of, fc_)
+        (g,) = pull(jnp.ones_like(kl))
+        return (carry[0] + kl, carry[1] + jnp.sum(has)), g
+
+    (total, rows), g = jax.lax.scan(one, (jnp.float32(0), jnp.int32(0)), (split(f), split(q), split(q_positions, -1)))
+    g = jnp.moveaxis(g, 0, 1).reshape(b, n * c, *f.shape[2:])[:, :t]
+    return (total, rows), g
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _layer_loss(f, q, k, q_positions, sparse, fc, q_chunk):
+    return _layer_loss_and_grad(f, q, k, q_positions, sparse, fc, q_chunk)[0]
+
+
+def _layer_loss_fwd(f, q, k, q_positions, sparse, fc, q_chunk):
+    out, g = _layer_loss_and_grad(f, q, k, q_positions, sparse, fc, q_chunk)
+    return out, g
+
+
+def _layer_loss_bwd(sparse, fc, q_chunk, res, ct):
+    # the teacher's inputs get no gradient (the backbone is frozen); rows is an integer count
+    return (ct[0] * res).astype(res.dtype), None, None, None
+
+
+_layer_loss.defvjp(_layer_loss_fwd, _layer_loss_bwd)

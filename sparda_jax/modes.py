@@ -178,7 +178,11 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
     lps, sels, igs = _per_layer_xs(params, forecast, infinigen)
     n_blocks = -(-t // c.sparse.block_size)
 
-    def run(x, h_prev, lp, sel, ig, first):
+    def run(x, h_prev, lp, sel, ig, positions_, first):
+        # Masks built from positions alone are the same in every layer: XLA hoists them out of
+        # the layer loop and materializes them for all query chunks at once ([T, T]-sized: 64 GiB
+        # at 32K in the training step). Tying positions to this layer's input keeps them inside.
+        positions, x = jax.lax.optimization_barrier((positions_, x))
         v = {"params": lp}
         h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
         cis = layer.apply(v, vv, method="cis") if c.has_cis else None
@@ -206,7 +210,7 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
     def body(carry, xs):
         x, h_prev = carry
         lp, sel, ig, first = xs
-        x, h, aux = run(x, h_prev, lp, sel, ig, first)
+        x, h, aux = run(x, h_prev, lp, sel, ig, positions, first)
         return (x, h), aux
 
     first = jnp.arange(c.num_layers) == 0

@@ -191,3 +191,19 @@ def test_shipped_smollm2_forecast_beats_untrained():
     r_trained = eval_recall(m.params, f, toks, m.config, jnp.float32)
     r_random = eval_recall(m.params, init_forecast(m.config, jax.random.key(0)), toks, m.config, jnp.float32)
     assert r_trained > 0.92 and r_trained > r_random + 0.04, (r_trained, r_random)
+
+
+def test_objective_memory_grows_linearly_with_context(tiny_params):
+    # Chunked over queries, the objective and its gradient need O(chunk * T) memory. A [T, T]
+    # term (masks of every chunk stacked as autodiff residuals or hoisted out of the layer loop,
+    # the cause of the first 32K out-of-memory) makes 4x the tokens cost ~8x and more; linear
+    # growth costs 4x.
+    fc = init_forecast(TINY, jax.random.key(1))
+
+    def temp_bytes(t):
+        tok = jnp.ones((1, t), jnp.int32)
+        g = jax.jit(jax.grad(lambda f: forecast_loss(f, tiny_params, tok, TINY, q_chunk=64)[0]))
+        return g.lower(fc).compile().memory_analysis().temp_size_in_bytes
+
+    small, large = temp_bytes(1024), temp_bytes(4096)
+    assert large < 5 * small, (small, large)

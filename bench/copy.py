@@ -8,11 +8,19 @@ For per-layer sizes (1..32 MiB of randomly chosen 16 KB blocks out of a large po
 Each variant is checked against NumPy before it is timed; a variant that fails records its
 error instead of a number. Ratios (gather / bulk) are measured in the same run.
 
+Overlap (`bench_overlap`): a chain of matmuls alone, the gather alone, both in one jit one after
+the other, and both with the gather started before the chain and waited for after it
+(`gather_blocks_start` / `gather_blocks_wait`, a high-priority side stream), per CTA count;
+the claim is overlapped <= 1.1 x max(compute alone, copy alone). Write-back (`scatter`): a few
+blocks written into a large host pool in place, timed against the pool size (it must not move
+the pool).
+
     sparda bench copy --out bench/results/copy.json
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -23,7 +31,8 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.envinfo import environment
-from sparda_jax.kernels.copy_engine import gather_blocks
+from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_reference, gather_blocks_start,
+                                            gather_blocks_wait, scatter_blocks, scatter_blocks_reference)
 
 __all__ = ["bench_copy"]
 
@@ -105,6 +114,120 @@ def bench_copy(*, pool_mib: int = 2048, sizes_mib=(1, 2, 4, 8, 16, 32), ctas=(1,
             "environment": environment()}
 
 
+def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32), repeats: int = 20,
+                  seed: int = 0) -> dict:
+    """Does the copy hide behind compute? Two kinds of work, each sized near the copy's time:
+    "matmul" (bf16 4096^3, tensor-core bound) and "stream" (a skinny [16, 8192] x [8192, 8192]
+    chain, weight-read bound like a decode layer)."""
+    dev = jax.devices()[0]
+    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
+    block_bytes = int(np.prod(BLOCK)) * 2
+    n_pool, n = pool_mib * 2**20 // block_bytes, copy_mib * 2**20 // block_bytes
+    rng = np.random.default_rng(seed)
+    pool_np = rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16)
+    pool = jax.device_put(pool_np, host)
+    src = jnp.asarray(rng.choice(n_pool, n, replace=False).astype(np.int32))
+    dst = jnp.arange(n, dtype=jnp.int32)
+    cache = jax.device_put(jnp.zeros((n, *BLOCK), jnp.bfloat16), dev)
+    expected = pool_np[np.asarray(src)].astype(np.float32)
+    ks = jax.random.split(jax.random.key(seed), 4)
+    works = {
+        "matmul": (jax.random.normal(ks[0], (4096, 4096), jnp.bfloat16), jax.random.normal(ks[1], (4096, 4096), jnp.bfloat16)),
+        "stream": (jax.random.normal(ks[2], (8192, 8192), jnp.bfloat16) * 0.01, jax.random.normal(ks[3], (16, 8192), jnp.bfloat16)),
+    }
+    rows = []
+
+    chain = _chain_jit.__wrapped__  # traced inline into the jits below
+
+    def timed(fn):
+        return _time(fn, repeats)[0]
+
+    for kind, (w, x) in works.items():
+        # size the chain so that compute alone takes about as long as the copy alone
+        copy_alone = timed(lambda: _copy(pool, src, dst, cache, 32))
+        one = timed(lambda: _chain_jit(w, x, 1))
+        steps = max(1, int(round(copy_alone / max(one, 1e-9))))
+        compute_alone = timed(lambda: _chain_jit(w, x, steps))
+        for c in ctas:
+            row = {"work": kind, "chain_steps": steps, "ctas": c, "copy_mib": copy_mib}
+            try:
+                row["compute_s"] = compute_alone
+                row["copy_s"] = timed(lambda: _copy(pool, src, dst, cache, c))
+
+                @jax.jit
+                def serial(p, s, d, k, w, x):
+                    k = gather_blocks(p, s, d, k, num_ctas=c, implementation="cuda")
+                    k, x = jax.lax.optimization_barrier((k, x))  # copy first, then the chain
+                    return k, chain(w, x, steps)
+
+                @jax.jit
+                def overlapped(p, s, d, k, w, x):
+                    k = gather_blocks_start(p, s, d, k, num_ctas=c, implementation="cuda")
+                    k, x = jax.lax.optimization_barrier((k, x))  # the start is issued before the chain
+                    y = chain(w, x, steps)
+                    return gather_blocks_wait(k, s, d, y, implementation="cuda"), y
+
+                for name, fn in (("serial", serial), ("overlapped", overlapped)):
+                    got = np.asarray(fn(pool, src, dst, cache, w, x)[0]).astype(np.float32)
+                    if not np.array_equal(got, expected):
+                        raise AssertionError(f"{name}: wrong data")
+                    row[f"{name}_s"] = timed(lambda fn=fn: fn(pool, src, dst, cache, w, x))
+                row["overlapped_vs_max"] = row["overlapped_s"] / max(row["compute_s"], row["copy_s"])
+                row["serial_vs_sum"] = row["serial_s"] / (row["compute_s"] + row["copy_s"])
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+    return {"rows": rows}
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _chain_jit(w, x, steps):
+    for _ in range(steps):
+        x = jnp.tanh(x @ w)
+    return x
+
+
+@functools.partial(jax.jit, static_argnums=4)
+def _copy(pool, src, dst, cache, ctas):
+    return gather_blocks(pool, src, dst, cache, num_ctas=ctas, implementation="cuda")
+
+
+def bench_scatter(*, pools_mib=(256, 4096), blocks: int = 64, repeats: int = 20, seed: int = 0) -> dict:
+    """Write-back of `blocks` blocks into host pools of growing size: the time must not grow
+    with the pool (only the written blocks cross PCIe)."""
+    dev = jax.devices()[0]
+    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
+    block_bytes = int(np.prod(BLOCK)) * 2
+    rng = np.random.default_rng(seed)
+    cache = jax.random.normal(jax.random.key(seed), (blocks, *BLOCK), jnp.bfloat16)
+    rows = []
+    for mib in pools_mib:
+        row = {"pool_mib": mib, "blocks": blocks}
+        try:
+            n_pool = mib * 2**20 // block_bytes
+            pool_np = rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16)
+            slots = jnp.arange(blocks, dtype=jnp.int32)
+            dst = jnp.asarray(rng.choice(n_pool, blocks, replace=False).astype(np.int32))
+            want = np.asarray(scatter_blocks_reference(cache, slots, dst, jnp.asarray(pool_np))).astype(np.float32)
+            for impl in ("cuda", "xla"):
+                f = jax.jit(lambda c, s, d, p, impl=impl: scatter_blocks(c, s, d, p, implementation=impl), donate_argnums=3)
+                pool = f(cache, slots, dst, jax.device_put(pool_np, host))
+                if not np.array_equal(np.asarray(pool).astype(np.float32), want):
+                    raise AssertionError(f"{impl}: wrong data")
+                row[f"{impl}_on_host"] = pool.sharding.memory_kind == "pinned_host"
+                ts = []
+                for _ in range(repeats):  # the pool is donated: each call returns the next input
+                    t0 = time.perf_counter()
+                    pool = jax.block_until_ready(f(cache, slots, dst, pool))
+                    ts.append(time.perf_counter() - t0)
+                row[f"{impl}_s"] = float(np.median(ts))
+                del pool
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+    return {"rows": rows}
+
+
 def table(result: dict) -> str:
     lines = ["| MiB | variant | CTAs | GB/s | vs bulk |", "|---|---|---|---|---|"]
     for r in result["rows"]:
@@ -114,10 +237,26 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def overlap_table(result: dict) -> str:
+    lines = ["| work | CTAs | compute ms | copy ms | serial ms | overlapped ms | overlapped / max |",
+             "|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['work']} | {r['ctas']} | error: {r['error'][:80]} |")
+            continue
+        lines.append(f"| {r['work']} | {r['ctas']} | {r['compute_s'] * 1e3:.3f} | {r['copy_s'] * 1e3:.3f} | "
+                     f"{r['serial_s'] * 1e3:.3f} | {r['overlapped_s'] * 1e3:.3f} | {r['overlapped_vs_max']:.2f} |")
+    return "\n".join(lines)
+
+
 def main(args) -> int:
     r = bench_copy(pool_mib=args.pool_mib, sizes_mib=tuple(args.sizes), repeats=args.repeats)
+    r["overlap"] = bench_overlap(repeats=args.repeats)
+    r["scatter"] = bench_scatter(repeats=min(args.repeats, 10))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(r, indent=2))
     print(table(r))
+    print(overlap_table(r["overlap"]))
+    print("scatter:", json.dumps(r["scatter"]["rows"]))
     return 0

@@ -1,4 +1,4 @@
-"""The copy engine: gather KV blocks from a pinned-host pool into device cache slots.
+"""The copy engine: move KV blocks between a pinned-host pool and device cache slots.
 
 `gather_blocks(pool, src, dst, cache, implementation=...)`:
   "cuda"  the XLA FFI custom call of kernels/copy/gather_blocks.cu: the GPU reads the host pool
@@ -7,6 +7,16 @@
   "xla"   the reference with the same semantics, plain jnp (runs anywhere; on a GPU it brings
           the whole pool to the device first, so it is only a reference there);
   None    "cuda" on a CUDA GPU, else "xla".
+
+`gather_blocks_start` / `gather_blocks_wait`: the same gather split in two, so that it runs
+beside the kernels XLA issues between them (the copy of layer l+1 during layer l's compute):
+the start launches it on a high-priority side stream and returns, the wait makes XLA's stream
+wait for it. `after` (an array computed by the work the copy should hide behind) pins the
+wait's place in XLA's schedule. With "xla" the start is the whole gather and the wait returns
+its input: the same numbers, no overlap.
+
+`scatter_blocks(cache, src, dst, pool)`: the reverse, device slots written into the host pool
+in place (a completed block's write-back).
 """
 
 from __future__ import annotations
@@ -23,10 +33,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["gather_blocks", "gather_blocks_reference", "build_library", "nvcc_path", "paper_num_ctas"]
+__all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
+           "scatter_blocks_reference", "build_library", "nvcc_path", "paper_num_ctas"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
-TARGET = "sparda_gather_blocks"
+# XLA custom-call target -> symbol in the library
+TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": "SpardaGatherStart",
+           "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks"}
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90",
               "-gencode", "arch=compute_80,code=sm_80")
 
@@ -69,7 +82,8 @@ def build_library(cache_dir: str | Path | None = None, *, force: bool = False) -
 @functools.cache
 def _register() -> None:
     lib = ctypes.cdll.LoadLibrary(str(build_library()))
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SpardaGatherBlocks), platform="CUDA")
+    for target, symbol in TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
 
 
 def _check(pool, src, dst, cache):
@@ -94,19 +108,77 @@ def _on_host(x) -> bool:
     return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
+def _resolve(implementation):
+    if implementation is None:
+        implementation = "cuda" if jax.default_backend() == "gpu" else "xla"
+    if implementation not in ("cuda", "xla"):
+        raise ValueError(f"unknown implementation {implementation!r}; expected 'cuda' or 'xla'")
+    return implementation
+
+
+def _block_bytes(cache) -> np.int64:
+    return np.int64(int(np.prod(cache.shape[1:])) * jnp.dtype(cache.dtype).itemsize)
+
+
 def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: str | None = None):
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
     (device) -> the updated cache. Blocks are whole trailing dims; their byte size must be a
     multiple of 16 for "cuda"."""
-    if implementation is None:
-        implementation = "cuda" if jax.default_backend() == "gpu" else "xla"
-    if implementation == "xla":
+    if _resolve(implementation) == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
-    if implementation != "cuda":
-        raise ValueError(f"unknown implementation {implementation!r}; expected 'cuda' or 'xla'")
     _check(pool, src, dst, cache)
     _register()
-    block_bytes = int(np.prod(cache.shape[1:])) * jnp.dtype(cache.dtype).itemsize
-    call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(cache.shape, cache.dtype), input_output_aliases={3: 0})
+    call = jax.ffi.ffi_call("sparda_gather_blocks", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={3: 0})
     return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
-                block_bytes=np.int64(block_bytes))
+                block_bytes=_block_bytes(cache))
+
+
+def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, implementation: str | None = None):
+    """Start `gather_blocks`; returns the cache being written. Nothing may read it before
+    `gather_blocks_wait(cache, src, dst, after)` with the same src and dst."""
+    if _resolve(implementation) == "xla":
+        return gather_blocks_reference(pool, src, dst, cache)
+    _check(pool, src, dst, cache)
+    _register()
+    call = jax.ffi.ffi_call("sparda_gather_start", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={3: 0}, has_side_effect=True)
+    return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
+                block_bytes=_block_bytes(cache))
+
+
+def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
+    """The cache once the copy started into it is complete. src, dst: the start's (kept alive
+    for the copy); after: any array the wait must follow in XLA's schedule."""
+    if _resolve(implementation) == "xla":
+        return cache
+    _register()
+    call = jax.ffi.ffi_call("sparda_gather_wait", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
+                            input_output_aliases={0: 0}, has_side_effect=True)
+    return call(cache, src.astype(jnp.int32), dst.astype(jnp.int32), after)
+
+
+def scatter_blocks_reference(cache, src, dst, pool):
+    """pool[dst[i]] = cache[src[i]] for every i with src[i] >= 0 (later tasks win)."""
+    _check(pool, dst, src, cache)
+    on_host = _on_host(pool)
+    p = jax.device_put(pool, jax.memory.Space.Device) if on_host else pool
+    ok = src >= 0
+    rows = cache[jnp.clip(src, 0, cache.shape[0] - 1)].astype(p.dtype)
+    p = p.at[jnp.where(ok, dst, p.shape[0])].set(rows, mode="drop")
+    return jax.device_put(p, jax.memory.Space.Host) if on_host else p
+
+
+def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, implementation: str | None = None):
+    """cache [n_slots, *block] (device), src/dst int32 [n], pool [n_pool, *block] (pinned host
+    for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]. "cuda" writes only those blocks,
+    over UVA, into the pool's own memory (it is aliased to the output); the reference moves the
+    whole pool to the device and back."""
+    if _resolve(implementation) == "xla":
+        return scatter_blocks_reference(cache, src, dst, pool)
+    _check(pool, dst, src, cache)
+    _register()
+    out = jax.ShapeDtypeStruct(pool.shape, pool.dtype, _memory_space=jax.typeof(pool).memory_space)
+    call = jax.ffi.ffi_call("sparda_scatter_blocks", out, input_output_aliases={3: 0})
+    return call(cache, src.astype(jnp.int32), dst.astype(jnp.int32), pool, num_ctas=np.int32(num_ctas),
+                block_bytes=_block_bytes(cache))

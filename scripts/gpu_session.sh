@@ -10,9 +10,12 @@ for stage in "$@"; do
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider tests 2>&1 | tail -15 ;;
     copy)        # bench: UVA gather vs bulk vs XLA loop vs host gather, CTA sweep
       timeout 300 python3 -m sparda_jax.cli bench copy --repeats 20 --out "$OUT/copy.json" 2>&1 | tail -60 ;;
-    train32k)    # the 8B Forecast step at 32K (ran out of memory in session 1: find the 32 GiB buffer)
-      timeout 300 python3 -m sparda_jax.cli bench train --preset minicpm4.1-8b --seq-len 32768 --repeats 2 \
+    train32k)    # the 8B Forecast step at 32K (fits since the fused-gradient loss)
+      timeout 300 python3 -m sparda_jax.cli bench train --preset minicpm4.1-8b --seq-len 32768 --repeats 3 \
         --out "$OUT/train_32k.json" 2>&1 | tail -8 ;;
+    train64k)    # the paper's MiniCPM training length
+      timeout 400 python3 -m sparda_jax.cli bench train --preset minicpm4.1-8b --seq-len 65536 --repeats 2 \
+        --out "$OUT/train_64k.json" 2>&1 | tail -8 ;;
     eval-tasks)  # the accuracy table: every task, every mode, 1K..8K
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 python3 -m sparda_jax.cli eval --suite tasks \
         --lengths 1024 2048 4096 8192 --samples 20 --out "$OUT/tasks_smollm2.json" 2>&1 | tail -40 ;;

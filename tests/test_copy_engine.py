@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from sparda_jax.kernels.copy_engine import (build_library, gather_blocks, gather_blocks_reference, nvcc_path,
-                                            paper_num_ctas)
+from sparda_jax.kernels.copy_engine import (build_library, gather_blocks, gather_blocks_reference,
+                                            gather_blocks_start, gather_blocks_wait, nvcc_path, paper_num_ctas,
+                                            scatter_blocks, scatter_blocks_reference)
 
 
 def _case(seed, n_pool=40, n_slots=12, n=9, block=(64, 128), dtype=jnp.bfloat16):
@@ -31,6 +32,26 @@ def test_reference_semantics():
         if s >= 0:
             expected[d] = np.asarray(pool)[s]
     np.testing.assert_array_equal(out, expected)
+
+
+def test_scatter_reference_semantics():
+    pool, src, dst, cache = _case(4)
+    # scatter: pool[dst[i]] = cache[src[i]]; src indexes the cache here, dst the pool
+    slots = jnp.asarray(np.array([3, -1, 0, 7, 11], np.int32))
+    blocks = jnp.asarray(np.array([5, 9, 39, 0, 17], np.int32))
+    out = np.asarray(scatter_blocks_reference(cache, slots, blocks, pool))
+    expected = np.asarray(pool).copy()
+    for s_, d in zip(np.asarray(slots), np.asarray(blocks)):
+        if s_ >= 0:
+            expected[d] = np.asarray(cache)[s_]
+    np.testing.assert_array_equal(out, expected)
+
+
+def test_start_wait_reference_is_the_gather():
+    pool, src, dst, cache = _case(5)
+    started = gather_blocks_start(pool, src, dst, cache, implementation="xla")
+    out = gather_blocks_wait(started, src, dst, jnp.ones(3), implementation="xla")
+    np.testing.assert_array_equal(out, gather_blocks_reference(pool, src, dst, cache))
 
 
 def test_reference_reads_a_pinned_host_pool():
@@ -66,3 +87,38 @@ def test_cuda_gather_equals_reference():
         out = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, num_ctas=ctas, implementation="cuda"))(
             host, src, dst, cache)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
+
+
+def _on_host(pool):
+    dev = jax.devices()[0]
+    return jax.device_put(pool, SingleDeviceSharding(dev, memory_kind="pinned_host"))
+
+
+@pytest.mark.gpu
+def test_cuda_start_wait_equals_reference_with_work_between():
+    pool, src, dst, cache = _case(6, n_pool=3000, n_slots=800, n=700)
+    host = _on_host(pool)
+    w = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.bfloat16)
+
+    @jax.jit
+    def f(p, s, d, c, w):
+        started = gather_blocks_start(p, s, d, c, num_ctas=8, implementation="cuda")
+        y = w
+        for _ in range(4):  # work XLA issues while the copy runs
+            y = jnp.tanh(y @ w)
+        return gather_blocks_wait(started, s, d, y, implementation="cuda"), y
+
+    for _ in range(3):  # repeated: events and streams are reused
+        out, _ = f(host, src, dst, cache, w)
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
+
+
+@pytest.mark.gpu
+def test_cuda_scatter_writes_the_host_pool_in_place():
+    pool, src, dst, cache = _case(7, n_pool=300, n_slots=64, n=48)
+    host = _on_host(pool)
+    slots, blocks = dst, src  # write cache slots back into pool blocks
+    f = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, implementation="cuda"), donate_argnums=3)
+    out = f(cache, slots, blocks, host)
+    assert out.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(scatter_blocks_reference(cache, slots, blocks, pool)))

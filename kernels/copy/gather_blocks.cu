@@ -1,70 +1,92 @@
-// sparda-jax copy engine: gather KV blocks from pinned host memory into device cache slots.
+// sparda-jax copy engine: move KV blocks between pinned host memory and device cache slots.
 //
-// An XLA FFI handler. The host pool is an ordinary operand in the pinned_host memory kind:
-// XLA hands the handler its host pointer, which the GPU reads directly over unified virtual
-// addressing (UVA). One launch of a bounded, persistent grid: `num_ctas` CTAs loop over the
-// copy tasks, so the copy holds few SMs while attention and FFN run beside it (the paper's
-// CTA quota). Each task moves one block of `block_bytes` with 16-byte loads and stores.
+// XLA FFI handlers. A host pool is an ordinary operand in the pinned_host memory kind: XLA
+// hands the handler its host pointer, which the GPU reads (or writes) directly over unified
+// virtual addressing (UVA). One launch of a bounded, persistent grid: `num_ctas` CTAs loop
+// over the copy tasks, so the copy holds few SMs while attention and FFN run beside it (the
+// paper's CTA quota). Each task moves one block of `block_bytes` with 16-byte loads and stores.
+//
+//   SpardaGatherBlocks   cache[dst[t]] = pool[src[t]] on XLA's stream (synchronous in stream order)
+//   SpardaGatherStart    the same copy on a high-priority side stream, after XLA's stream has
+//                        produced the inputs; returns at once, so XLA's next kernels run beside it
+//   SpardaGatherWait     XLA's stream waits for the copy started into this cache; takes src/dst
+//                        (kept alive until the copy is done) and `after` (any array that must be
+//                        computed before the wait, which pins the wait's place in XLA's schedule)
+//   SpardaScatterBlocks  pool[dst[t]] = cache[src[t]]: device slots written back into the host
+//                        pool in place (the pool is aliased to the output)
 //
 //   pool   [n_pool, block_bytes]   host (pinned), any dtype, viewed as bytes
-//   src    int32 [n]               pool block per task (< 0: no task)
-//   dst    int32 [n]               cache slot per task
+//   src    int32 [n]               source block per task (< 0: no task)
+//   dst    int32 [n]               destination block per task
 //   cache  [n_slots, block_bytes]  device, aliased to the output (updated in place)
 
 #include <cstdint>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
 #include <cuda_runtime.h>
 
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
-__global__ void gather_blocks_kernel(const uint4* __restrict__ pool, const int32_t* __restrict__ src,
-                                     const int32_t* __restrict__ dst, uint4* __restrict__ cache, int64_t n_tasks,
-                                     int64_t vecs_per_block, int64_t n_pool, int64_t n_slots) {
+__global__ void copy_blocks_kernel(const uint4* __restrict__ from, const int32_t* __restrict__ src,
+                                   const int32_t* __restrict__ dst, uint4* __restrict__ to, int64_t n_tasks,
+                                   int64_t vecs_per_block, int64_t n_from, int64_t n_to) {
   for (int64_t t = blockIdx.x; t < n_tasks; t += gridDim.x) {
     const int32_t s = src[t];
     const int32_t d = dst[t];
-    if (s < 0 || s >= n_pool || d < 0 || d >= n_slots) continue;
-    const uint4* from = pool + static_cast<int64_t>(s) * vecs_per_block;
-    uint4* to = cache + static_cast<int64_t>(d) * vecs_per_block;
+    if (s < 0 || s >= n_from || d < 0 || d >= n_to) continue;
+    const uint4* a = from + static_cast<int64_t>(s) * vecs_per_block;
+    uint4* b = to + static_cast<int64_t>(d) * vecs_per_block;
     for (int64_t i = threadIdx.x; i < vecs_per_block; i += blockDim.x) {
-      to[i] = from[i];
+      b[i] = a[i];
     }
   }
 }
 
-static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
-                                   ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
-                                   ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes) {
+static ffi::Error cuda_error(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// Validates one copy from `from` (n_from blocks) into `to` (n_to blocks) and launches it.
+static ffi::Error launch_copy(cudaStream_t stream, const void* from, size_t from_bytes, ffi::Buffer<ffi::S32> src,
+                              ffi::Buffer<ffi::S32> dst, void* to, size_t to_bytes, int32_t num_ctas,
+                              int64_t block_bytes) {
   if (block_bytes <= 0 || block_bytes % 16 != 0) {
     return ffi::Error::InvalidArgument("block_bytes must be a positive multiple of 16");
   }
-  if (pool.size_bytes() % block_bytes != 0 || cache_out->size_bytes() % block_bytes != 0) {
+  if (from_bytes % block_bytes != 0 || to_bytes % block_bytes != 0) {
     return ffi::Error::InvalidArgument("pool and cache sizes must be whole blocks");
   }
   if (src.element_count() != dst.element_count()) {
     return ffi::Error::InvalidArgument("src and dst must have the same length");
   }
-  if (cache_in.untyped_data() != cache_out->untyped_data()) {
-    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
-  }
-  const auto p = reinterpret_cast<uintptr_t>(pool.untyped_data());
-  const auto c = reinterpret_cast<uintptr_t>(cache_out->untyped_data());
-  if (p % 16 != 0 || c % 16 != 0) {
+  if (reinterpret_cast<uintptr_t>(from) % 16 != 0 || reinterpret_cast<uintptr_t>(to) % 16 != 0) {
     return ffi::Error::InvalidArgument("pool and cache must be 16-byte aligned");
   }
   const int64_t n = static_cast<int64_t>(src.element_count());
   if (n == 0) return ffi::Error::Success();
   const int grid = static_cast<int>(num_ctas < 1 ? 1 : (num_ctas > n ? n : num_ctas));
-  gather_blocks_kernel<<<grid, 256, 0, stream>>>(
-      static_cast<const uint4*>(pool.untyped_data()), src.typed_data(), dst.typed_data(),
-      static_cast<uint4*>(cache_out->untyped_data()), n, block_bytes / 16,
-      static_cast<int64_t>(pool.size_bytes() / block_bytes), static_cast<int64_t>(cache_out->size_bytes() / block_bytes));
+  copy_blocks_kernel<<<grid, 256, 0, stream>>>(static_cast<const uint4*>(from), src.typed_data(), dst.typed_data(),
+                                               static_cast<uint4*>(to), n, block_bytes / 16,
+                                               static_cast<int64_t>(from_bytes / block_bytes),
+                                               static_cast<int64_t>(to_bytes / block_bytes));
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("gather_blocks launch failed: ") + cudaGetErrorString(err));
-  }
+  if (err != cudaSuccess) return cuda_error("copy_blocks launch failed", err);
   return ffi::Error::Success();
+}
+
+static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
+                                   ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
+                                   ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes) {
+  if (cache_in.untyped_data() != cache_out->untyped_data()) {
+    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
+  }
+  return launch_copy(stream, pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
+                     cache_out->size_bytes(), num_ctas, block_bytes);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, GatherBlocksImpl,
@@ -75,5 +97,142 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, GatherBlocksImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
                                   .Arg<ffi::AnyBuffer>()          // cache (aliased)
                                   .Ret<ffi::AnyBuffer>()          // cache
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<int64_t>("block_bytes"));
+
+// ---------------------------------------------------------------- asynchronous gather (start / wait)
+
+namespace {
+
+// Per device: one side stream of the highest priority (its CTAs are scheduled first whenever
+// attention or FFN kernels free an SM) and the completion event of each copy in flight, keyed by
+// the cache buffer it writes: Start and Wait of one copy see the same buffer, aliased through both.
+struct SideStream {
+  cudaStream_t stream = nullptr;
+  std::unordered_map<uintptr_t, cudaEvent_t> in_flight;
+  std::vector<cudaEvent_t> spare;
+};
+
+std::mutex g_mu;
+std::unordered_map<int, SideStream> g_side;
+
+cudaError_t side_stream(SideStream** out) {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  SideStream& s = g_side[dev];
+  if (s.stream == nullptr) {
+    int least = 0, greatest = 0;
+    err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (err != cudaSuccess) return err;
+    err = cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest);
+    if (err != cudaSuccess) return err;
+  }
+  *out = &s;
+  return cudaSuccess;
+}
+
+cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
+  if (!s.spare.empty()) {
+    *ev = s.spare.back();
+    s.spare.pop_back();
+    return cudaSuccess;
+  }
+  return cudaEventCreateWithFlags(ev, cudaEventDisableTiming);
+}
+
+}  // namespace
+
+static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
+                                  ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
+                                  ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes) {
+  if (cache_in.untyped_data() != cache_out->untyped_data()) {
+    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  SideStream* s = nullptr;
+  cudaError_t err = side_stream(&s);
+  if (err != cudaSuccess) return cuda_error("side stream", err);
+  const auto key = reinterpret_cast<uintptr_t>(cache_out->untyped_data());
+  if (s->in_flight.count(key)) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+  }
+  cudaEvent_t ready = nullptr, done = nullptr;
+  if ((err = take_event(*s, &ready)) != cudaSuccess || (err = take_event(*s, &done)) != cudaSuccess) {
+    return cuda_error("event", err);
+  }
+  // the side stream starts once XLA's stream has produced the ids and the cache
+  if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  if ((err = cudaStreamWaitEvent(s->stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
+  s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
+  ffi::Error e = launch_copy(s->stream, pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
+                             cache_out->size_bytes(), num_ctas, block_bytes);
+  if (e.failure()) return e;
+  if ((err = cudaEventRecord(done, s->stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  s->in_flight[key] = done;
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // pool (pinned host)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
+                                  .Arg<ffi::AnyBuffer>()          // cache (aliased)
+                                  .Ret<ffi::AnyBuffer>()          // cache, being written
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<int64_t>("block_bytes"));
+
+static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> src,
+                                 ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
+                                 ffi::Result<ffi::AnyBuffer> cache_out) {
+  (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
+  if (cache_in.untyped_data() != cache_out->untyped_data()) {
+    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  SideStream* s = nullptr;
+  cudaError_t err = side_stream(&s);
+  if (err != cudaSuccess) return cuda_error("side stream", err);
+  const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(cache_out->untyped_data()));
+  if (it == s->in_flight.end()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
+  }
+  if ((err = cudaStreamWaitEvent(stream, it->second, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
+  s->spare.push_back(it->second);
+  s->in_flight.erase(it);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // cache being written (aliased)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src (kept alive)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst (kept alive)
+                                  .Arg<ffi::AnyBuffer>()          // after: orders the wait
+                                  .Ret<ffi::AnyBuffer>());        // cache, complete
+
+// ---------------------------------------------------------------- write-back into the host pool
+
+static ffi::Error ScatterBlocksImpl(cudaStream_t stream, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> src,
+                                    ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_in,
+                                    ffi::Result<ffi::AnyBuffer> pool_out, int32_t num_ctas, int64_t block_bytes) {
+  if (pool_in.untyped_data() != pool_out->untyped_data()) {
+    return ffi::Error::InvalidArgument("the pool must be aliased to the output (input_output_aliases)");
+  }
+  return launch_copy(stream, cache.untyped_data(), cache.size_bytes(), src, dst, pool_out->untyped_data(),
+                     pool_out->size_bytes(), num_ctas, block_bytes);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, ScatterBlocksImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()          // cache (device)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst: pool block per task
+                                  .Arg<ffi::AnyBuffer>()          // pool (pinned host, aliased)
+                                  .Ret<ffi::AnyBuffer>()          // pool
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<int64_t>("block_bytes"));

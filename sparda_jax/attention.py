@@ -262,24 +262,37 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
 
     implementation:
       "xla"                  the jnp reference (any platform, any layout of block_ids);
-      "mosaic_gpu"           the Pallas Mosaic GPU kernels (Hopper; bf16/f16): today decode only
-                             (Tq == 1, no bias), with block ids as the selectors emit them
-                             (ascending, unique, -1 padding at the end);
-      "mosaic_gpu_interpret" the same kernel run by the Mosaic GPU interpreter (CPU; tests);
+      "mosaic_gpu"           the Pallas Mosaic GPU kernels (Hopper; bf16/f16, head dim a multiple
+                             of 64, 64-token blocks): Tq == 1 goes to the decode kernel
+                             (kernels/sparse_decode.py; no bias, block ids as the selectors emit
+                             them: ascending, unique, -1 padding at the end); Tq > 1 goes to the
+                             prefill kernel (kernels/sparse_prefill.py; bias allowed, any order of
+                             block ids). Both are verified in interpret mode and lowered for sm_90
+                             on the CPU, not yet run on hardware;
+      "mosaic_gpu_interpret" the same kernels run by the Mosaic GPU interpreter (CPU; tests);
       None                   the reference everywhere until the kernels are validated on hardware.
     """
     if implementation in (None, "xla"):
         return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
     if implementation in ("mosaic_gpu", "mosaic_gpu_interpret"):
-        from sparda_jax.kernels.sparse_decode import INTERPRET, sparse_decode_attention
-
         _check_qkv(q, k, v, q_positions)
         _check_block_ids(q, k, block_ids)
-        if q.shape[1] != 1 or bias is not None or block_size != 64:
-            raise NotImplementedError("the Mosaic GPU path covers decode (Tq == 1, 64-token blocks, no bias); "
+        interpret = implementation.endswith("interpret")
+        if block_size != 64:
+            raise NotImplementedError(f"the Mosaic GPU kernels take 64-token blocks, got {block_size}; "
+                                      "use implementation='xla'")
+        if q.shape[1] > 1:
+            from sparda_jax.kernels.sparse_prefill import sparse_prefill_attention
+
+            return sparse_prefill_attention(q, k, v, block_ids, q_positions.astype(jnp.int32), bias=bias,
+                                            interpret=True if interpret else None)
+        from sparda_jax.kernels.sparse_decode import INTERPRET, sparse_decode_attention
+
+        if bias is not None:
+            raise NotImplementedError("the Mosaic GPU decode kernel (Tq == 1) takes no bias; "
                                       "use implementation='xla'")
         out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
                                       q_positions[:, 0].astype(jnp.int32),
-                                      interpret=INTERPRET if implementation.endswith("interpret") else None)
+                                      interpret=INTERPRET if interpret else None)
         return out[:, None]
     raise ValueError(f"unknown sparse attention implementation {implementation!r}")

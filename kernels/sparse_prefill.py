@@ -1,0 +1,468 @@
+"""Block-sparse prefill attention in Pallas Mosaic GPU (Hopper).
+
+Every query token attends to its own selected 64-token blocks (one list per KV head, shared by
+the G query heads of the group), causally inside a block (key pos <= query pos), with an
+optional per-key logit bias (NOSA's cis). Design (docs/mosaic-gpu-notes.md section 3):
+
+- **Rows.** q is reordered in XLA to q_r [B, K, T*Gp, D], row = t*Gp + g, the group padded to
+  Gp = a power of two >= max(G, 4) (G=3 -> 4: 25% idle rows; wgmma wants 64-row tiles and a
+  token must not straddle two of them). A 64-row warpgroup tile is 64//Gp tokens x Gp heads.
+- **Union.** A CTA tile of `tile_tokens` tokens walks the UNION of their block lists
+  (`build_prefill_meta`, XLA: one sort + segment ops, like splash attention's MaskInfo); each
+  union entry carries an int32 of selection bits (bit i: token i of the tile picked the block),
+  so the mask is built in registers from two scalars and an iota, never read from memory.
+- **Two variants.** "ws" (FA3 structure): 2 compute warpgroups (128 rows) + 1 TMA warpgroup,
+  `emit_pipeline_warp_specialized` over a traced trip count |union|. "simple": one warpgroup of
+  64 rows, K/V double-buffered by TMA in a fori_loop (the decode kernel's structure); half the
+  tile, hence a smaller union, and no warp-specialization machinery.
+- Online softmax in the log2 domain with f32 state; P is rounded to q.dtype for the PV wgmma.
+
+Verification status: both variants ran in Mosaic GPU interpret mode on the CPU against
+`sparse_prefill_attention_reference` (tests/test_kernel_prefill.py) and pass the CPU lowering
+check for sm_90. **Not yet run on hardware**: ptxas, register pressure, races/deadlocks on a real
+GPU, and speed are unchecked. The efficiency depends on the union size (`union_stats`): the kernel
+computes tile_rows x |union| x 64 logits per tile, of which only the selected ones are useful.
+
+bf16/f16 only (wgmma operands; f32 is a TypeError so callers can fall back), head dim a
+multiple of 64 (128-byte swizzle), 64-token blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "build_prefill_meta",
+           "PrefillMeta", "union_stats", "tile_tokens_for", "padded_group", "INTERPRET"]
+
+# Interpret mode (CPU). It does not support wgmma with A from registers nor in-place
+# accumulation (pl.run_state), so the kernel has switches for those two; both forms lower.
+INTERPRET = plgpu.InterpretGPUParams()
+
+BS = 64                       # tokens per KV block
+ROWS = 64                     # query rows per compute warpgroup (wgmma M)
+MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 16-bit: 8 x 64 = 128 B rows
+LOG2E = math.log2(math.e)
+Variant = Literal["ws", "simple"]
+
+
+def padded_group(g: int) -> int:
+    """Rows per token in the kernel: a power of two >= max(g, 4) that divides 64. At least 4
+    because a "ws" tile of 128 rows then holds <= 32 tokens: one int32 of selection bits."""
+    gp = 4
+    while gp < g:
+        gp *= 2
+    if gp > ROWS:
+        raise ValueError(f"at most {ROWS} query heads per KV head, got {g}")
+    return gp
+
+
+def tile_tokens_for(g: int, variant: Variant = "ws") -> int:
+    """Tokens per CTA tile (those share one walk over the union of their blocks)."""
+    return (2 if variant == "ws" else 1) * (ROWS // padded_group(g))
+
+
+# ------------------------------------------------------------------------------ metadata (XLA)
+
+class PrefillMeta(NamedTuple):
+    """Per tile of `tile_tokens` consecutive tokens, per (batch, KV head); NT = T // tile_tokens.
+
+    uids    int32 [B, K, NT, U]  union of the tile's block ids, ascending, -1 padded
+                                  (U = tile_tokens * n, the worst case);
+    ubits   int32 [B, K, NT, U]  bit i set iff token i of the tile selected uids[..., u];
+    n_union int32 [B, K, NT]     |union| (the kernel's trip count).
+    """
+    uids: jax.Array
+    ubits: jax.Array
+    n_union: jax.Array
+
+
+def build_prefill_meta(block_ids, tile_tokens: int, n_blocks: int | None = None) -> PrefillMeta:
+    """block_ids int [B, K, T, n] (-1 = none; any order, repeats allowed) -> PrefillMeta.
+    T must be a multiple of tile_tokens (<= 32: one int32 of bits). Ids >= n_blocks (when
+    given) or < 0 are dropped: they select no key."""
+    b, kh, t, n = block_ids.shape
+    if t % tile_tokens or not 1 <= tile_tokens <= 32:
+        raise ValueError(f"T ({t}) must be a multiple of tile_tokens ({tile_tokens}), which must be <= 32")
+    nt, u = t // tile_tokens, tile_tokens * n
+    ids = block_ids.astype(jnp.int32).reshape(b, kh, nt, tile_tokens, n)
+    ok = ids >= 0
+    if n_blocks is not None:
+        ok &= ids < n_blocks
+    tok = lax.broadcasted_iota(jnp.int32, ids.shape, 3)
+    big = jnp.int32(2**31 - 1)
+    # (block, token) packed in one key: sorting it groups each block's tokens together.
+    key = jnp.sort(jnp.where(ok, ids * tile_tokens + tok, big).reshape(b, kh, nt, u), axis=-1)
+    valid = key < big
+    prev = jnp.concatenate([jnp.full_like(key[..., :1], -1), key[..., :-1]], axis=-1)
+    fresh = valid & (key != prev)                          # repeated (block, token) pairs count once
+    blk = key // tile_tokens
+    prev_blk = jnp.concatenate([jnp.full_like(blk[..., :1], -1), blk[..., :-1]], axis=-1)
+    first = valid & (blk != prev_blk)                      # first entry of each union block
+    seg = jnp.where(valid, jnp.cumsum(first, axis=-1, dtype=jnp.int32) - 1, u - 1)
+    bit = jnp.where(fresh, jnp.left_shift(jnp.int32(1), key % tile_tokens), 0)
+    flat = lambda x: x.reshape(-1, u)
+
+    def row(seg_u, first_u, blk_u, bit_u):
+        uid = jnp.full((u,), -1, jnp.int32).at[seg_u].max(jnp.where(first_u, blk_u, -1))
+        # distinct (block, token) pairs set distinct bits of a segment, so add == or
+        ubit = jnp.zeros((u,), jnp.int32).at[seg_u].add(bit_u)
+        return uid, ubit
+
+    uids, ubits = jax.vmap(row)(flat(seg), flat(first), flat(blk), flat(bit))
+    uids, ubits = uids.reshape(b, kh, nt, u), ubits.reshape(b, kh, nt, u)
+    return PrefillMeta(uids, jnp.where(uids >= 0, ubits, 0), jnp.sum(first, axis=-1, dtype=jnp.int32))
+
+
+def union_stats(block_ids, g: int, variant: Variant = "ws") -> dict:
+    """How much of the kernel's work is useful, for the benchmark. block_ids [B, K, T, n].
+    mean_union: mean |union| per tile; mean_selected: mean blocks per token; efficiency:
+    mean_selected / mean_union (1.0 when the tile's tokens all pick the same blocks), ignoring
+    the padded rows of the group (G / padded_group(G)) and causal masking inside blocks."""
+    tt = tile_tokens_for(g, variant)
+    ids = _pad_tokens(jnp.asarray(block_ids, jnp.int32), tt)
+    meta = build_prefill_meta(ids, tt)
+    sel = jnp.sum(ids >= 0, axis=-1).astype(jnp.float32)
+    mean_union = float(jnp.mean(meta.n_union.astype(jnp.float32)))
+    mean_sel = float(jnp.mean(sel))
+    return dict(tile_tokens=tt, mean_union=mean_union, mean_selected=mean_sel,
+                efficiency=mean_sel / max(mean_union, 1e-9), row_fill=g / padded_group(g))
+
+
+def _pad_tokens(ids, tt):
+    pad = -ids.shape[2] % tt
+    return jnp.pad(ids, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=-1) if pad else ids
+
+
+# ------------------------------------------------------------------------------------- kernel
+
+def _row_vectors(wg_tokens_base, tile_tok0, gp, pos_ref, b):
+    """Per-row (64,) vectors of this warpgroup's tile: the token's index inside the CTA tile
+    (selects its bit) and its query position (scalar reads from GMEM, once per tile)."""
+    row2 = plgpu.broadcasted_iota(jnp.int32, (ROWS, BS), 0, layout=plgpu.Layout.WGMMA)
+    tok_wg = row2.max(axis=1) // gp                        # a (64,) vector in the row layout
+    pos = jnp.full_like(tok_wg, -1)
+    for i in range(ROWS // gp):
+        pos = jnp.where(tok_wg == i, pos_ref[b, tile_tok0 + wg_tokens_base + i], pos)
+    return tok_wg + wg_tokens_base, pos
+
+
+def _softmax_step(qk, blk, bits, tok_tile, pos, bias_col, carry, scale_log2):
+    """Mask one (64 rows, 64 keys) block and fold it into the online softmax (log2 domain).
+    Returns p (f32) and the new (acc rescaled, m, l); the caller adds p @ V to acc."""
+    acc, m_i, l_i = carry
+    picked = (lax.shift_right_logical(bits, tok_tile) & 1) == 1
+    # last visible key offset inside this block per row; -1: none (not picked, or in the future)
+    last = jnp.where(picked, pos - blk * BS, -1)
+    col = plgpu.broadcasted_iota(jnp.int32, (ROWS, BS), 1, layout=plgpu.Layout.WGMMA)
+    visible = col <= lax.broadcast_in_dim(last, (ROWS, BS), [0])
+    s = qk * scale_log2
+    if bias_col is not None:
+        s = s + lax.broadcast_in_dim(bias_col, (ROWS, BS), [1])
+    # -inf marks invisible keys; m_safe keeps rows without any visible key yet at exactly zero
+    # weight (no -inf - -inf), and they end as zeros because l stays 0.
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    alpha = jnp.exp2(m_i - m_safe)
+    p = jnp.exp2(s - lax.broadcast_in_dim(m_safe, s.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return p, (acc, m_new, l_i)
+
+
+def _pv(acc, p, v_smem, p_smem, *, p_via_smem, acc_in_place, dtype):
+    if p_via_smem:                                          # interpret mode: wgmma A must be a ref
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+        a_op = p_smem
+    else:                                                   # A from registers (attention_mgpu.py)
+        a_op = p.astype(dtype)
+    if acc_in_place:                                        # FA3 style; interpret cannot run it
+        def pv_fn(acc_ref):
+            plgpu.wgmma(acc_ref, a_op, v_smem)
+        return pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+
+    def pv_fn(acc_ref):
+        plgpu.wgmma(acc_ref, a_op, v_smem)
+        return acc_ref[...]
+    return acc + pl.run_scoped(pv_fn, plgpu.ACC((ROWS, acc.shape[1]), jnp.float32))
+
+
+def _qk(q_smem, k_smem):
+    def qk_fn(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem, k_smem.T)             # (64, D) @ (D, 64); K^T by ref transpose
+        return acc_ref[...]                                 # the deref awaits the wgmma
+    return pl.run_scoped(qk_fn, plgpu.ACC((ROWS, BS), jnp.float32))
+
+
+def _init_carry(d):
+    rl = plgpu.Layout.WGMMA.reduce(1)
+    return (plgpu.layout_cast(jnp.zeros((ROWS, d), jnp.float32), plgpu.Layout.WGMMA),
+            plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), rl),
+            plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), rl))
+
+
+def _normalize(acc, l_i, dtype):
+    l_safe = jnp.where(l_i > 0, l_i, 1.0)                   # rows with nothing visible: zeros
+    return (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
+
+
+def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret):
+    """FA3 structure: 2 compute warpgroups x 64 rows + 1 TMA warpgroup per CTA."""
+    b_, kh, _, d = q_r.shape
+    nt = meta.n_union.shape[2]
+    wg_tok = ROWS // gp
+    tile_tok = 2 * wg_tok
+    dtype = q_r.dtype
+    scale_log2 = LOG2E / math.sqrt(d)
+    has_bias = bias_r is not None
+
+    def kernel(*refs):
+        if has_bias:
+            q_ref, k_ref, v_ref, bias_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref, qo2, p2, q_bars = refs
+        else:
+            q_ref, k_ref, v_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref, qo2, p2, q_bars = refs
+        b, h, tt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+        wg = lax.axis_index("wg")
+
+        def compute_thread(pipeline_callback):             # runs only in the 2 compute WGs
+            qo = qo2.at[wg]
+            row0 = (tt * 2 + wg) * ROWS
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], qo, q_bars.at[wg])
+            tok_tile, rpos = _row_vectors(wg * wg_tok, tt * tile_tok, gp, pos_ref, b)
+            plgpu.barrier_wait(q_bars.at[wg])
+            acc, _, l_i, _, _ = pipeline_callback((*_init_carry(d), tok_tile, rpos))
+            qo[...] = _normalize(acc, l_i, dtype)          # o leaves through q's buffer
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, h, pl.ds(row0, ROWS)])
+            plgpu.wait_smem_to_gmem(0)
+
+        def step(indices, *args):
+            (j,) = indices
+            if has_bias:
+                k_smem, v_smem, b_smem, k_done, v_done, b_done, carry = args
+            else:
+                k_smem, v_smem, k_done, v_done, carry = args
+            acc, m_i, l_i, tok_tile, rpos = carry
+            blk, bits = uid_ref[b, h, tt, j], ubit_ref[b, h, tt, j]
+            qk = _qk(qo2.at[wg], k_smem)
+            plgpu.barrier_arrive(k_done)                    # the TMA warpgroup may refill K's slot
+            bias_col = None
+            if has_bias:
+                bias_col = plgpu.load(b_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                plgpu.barrier_arrive(b_done)
+            p, (acc, m_i, l_i) = _softmax_step(qk, blk, bits, tok_tile, rpos, bias_col,
+                                               (acc, m_i, l_i), scale_log2)
+            acc = _pv(acc, p, v_smem, p2.at[wg], p_via_smem=p_via_smem, acc_in_place=acc_in_place,
+                      dtype=dtype)
+            plgpu.barrier_arrive(v_done)
+            return acc, m_i, l_i, tok_tile, rpos
+
+        uid_of = lambda j: jnp.maximum(uid_ref[b, h, tt, j], 0)
+        kv_spec = plgpu.BlockSpec((BS, d), lambda j: (uid_of(j), 0), transforms=MMA_T)
+        specs = [kv_spec, kv_spec]
+        srcs = [k_ref.at[b, :, h, :], v_ref.at[b, :, h, :]]
+        if has_bias:
+            specs.append(plgpu.BlockSpec((BS,), lambda j: (uid_of(j),)))
+            srcs.append(bias_ref.at[b, h])
+        pipeline = plgpu.emit_pipeline_warp_specialized(
+            step,
+            grid=(nu_ref[b, h, tt],),                       # traced: this tile's |union|
+            max_concurrent_steps=2,
+            num_compute_wgs=2,
+            memory_registers=40,
+            wg_axis="wg",
+            manual_consumed_barriers=True,
+            compute_context=compute_thread,
+            in_specs=specs,
+        )
+        pipeline(*srcs)
+
+    args = (q_r, k, v) + ((bias_r,) if has_bias else ()) + (meta.uids, meta.ubits, meta.n_union, pos)
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q_r.shape, dtype),
+        grid=(b_, kh, nt), grid_names=("b", "h", "t"),
+        num_threads=3, thread_name="wg",
+        scratch_types=(
+            plgpu.SMEM((2, ROWS, d), dtype, transforms=MMA_T),                 # q in, o out, per WG
+            plgpu.SMEM((2, ROWS, BS) if p_via_smem else (2, 8, BS), dtype, transforms=MMA_T),  # P
+            plgpu.Barrier(num_barriers=2),
+        ),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(*args)
+
+
+def _prefill_simple(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret):
+    """One warpgroup of 64 rows per CTA; K/V (and bias) double-buffered by TMA in a fori_loop."""
+    b_, kh, _, d = q_r.shape
+    nt = meta.n_union.shape[2]
+    tile_tok = ROWS // gp
+    dtype = q_r.dtype
+    scale_log2 = LOG2E / math.sqrt(d)
+    has_bias = bias_r is not None
+
+    def kernel(*refs):
+        if has_bias:
+            (q_ref, k_ref, v_ref, bias_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref,
+             q_smem, k_smem, v_smem, b_smem, p_smem, q_bar, kv_bar) = refs
+        else:
+            (q_ref, k_ref, v_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref,
+             q_smem, k_smem, v_smem, p_smem, q_bar, kv_bar) = refs
+        b, h, tt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
+        nu = nu_ref[b, h, tt]
+        rows = pl.ds(tt * ROWS, ROWS)
+        plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar)
+
+        def fetch(j, slot):                                 # one barrier per slot, 2-3 arrivals
+            blk = jnp.maximum(uid_ref[b, h, tt, j], 0)
+            keys = pl.ds(pl.multiple_of(blk * BS, BS), BS)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], kv_bar.at[slot])
+            if has_bias:
+                plgpu.copy_gmem_to_smem(bias_ref.at[b, h, keys], b_smem.at[slot], kv_bar.at[slot])
+
+        @pl.when(nu > 0)
+        def _():
+            fetch(0, 0)
+
+        tok_tile, rpos = _row_vectors(0, tt * tile_tok, gp, pos_ref, b)
+        plgpu.barrier_wait(q_bar)
+
+        def step(j, carry):
+            slot = lax.rem(j, 2)
+
+            @pl.when(j + 1 < nu)       # the other slot is free: step j-1's wgmmas were awaited
+            def _():
+                fetch(j + 1, 1 - slot)
+            plgpu.barrier_wait(kv_bar.at[slot])
+            blk, bits = uid_ref[b, h, tt, j], ubit_ref[b, h, tt, j]
+            qk = _qk(q_smem, k_smem.at[slot])
+            bias_col = None
+            if has_bias:
+                bias_col = plgpu.load(b_smem.at[slot], layout=plgpu.Layout.WGMMA.reduce(0))
+            p, carry = _softmax_step(qk, blk, bits, tok_tile, rpos, bias_col, carry, scale_log2)
+            acc, m_i, l_i = carry
+            acc = _pv(acc, p, v_smem.at[slot], p_smem, p_via_smem=p_via_smem,
+                      acc_in_place=acc_in_place, dtype=dtype)
+            return acc, m_i, l_i
+
+        acc, _, l_i = lax.fori_loop(0, nu, step, _init_carry(d))   # traced trip count
+        q_smem[...] = _normalize(acc, l_i, dtype)          # o leaves through q's buffer
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    args = (q_r, k, v) + ((bias_r,) if has_bias else ()) + (meta.uids, meta.ubits, meta.n_union, pos)
+    scratch = [plgpu.SMEM((ROWS, d), dtype, transforms=MMA_T),                # q in, o out
+               plgpu.SMEM((2, BS, d), dtype, transforms=MMA_T),               # K double buffer
+               plgpu.SMEM((2, BS, d), dtype, transforms=MMA_T)]               # V double buffer
+    if has_bias:
+        scratch.append(plgpu.SMEM((2, BS), jnp.float32))
+    scratch += [plgpu.SMEM((ROWS, BS) if p_via_smem else (8, BS), dtype, transforms=MMA_T),  # P
+                plgpu.Barrier(),
+                plgpu.Barrier(num_arrivals=3 if has_bias else 2, num_barriers=2)]
+    return plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(q_r.shape, dtype),
+        grid=(b_, kh, nt), grid_names=("b", "h", "t"),
+        scratch_types=tuple(scratch),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret,
+    )(*args)
+
+
+# ------------------------------------------------------------------------------------ wrapper
+
+def _check(q, k, v, block_ids, q_positions, bias):
+    if q.ndim != 4 or k.ndim != 4 or k.shape != v.shape:
+        raise ValueError(f"q must be [B, T, H, D] and k, v [B, S, K, D]; got {q.shape}, {k.shape}, {v.shape}")
+    b, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k, v {k.shape} do not match q {q.shape} in batch or head dim")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"the Mosaic GPU prefill kernel takes bf16/f16 q, k, v (wgmma operands); "
+                        f"got {q.dtype}, {k.dtype}, {v.dtype}")
+    if d % 64:
+        raise ValueError(f"head dim ({d}) must be a multiple of 64 (128-byte swizzled wgmma tiles)")
+    if h % kh:
+        raise ValueError(f"query heads ({h}) must be a multiple of KV heads ({kh})")
+    padded_group(h // kh)
+    if block_ids.shape[:3] != (b, kh, t) or block_ids.ndim != 4:
+        raise ValueError(f"block_ids must be [B, K, T, n] = [{b}, {kh}, {t}, n]; got {block_ids.shape}")
+    if not jnp.issubdtype(block_ids.dtype, jnp.integer) or not jnp.issubdtype(q_positions.dtype, jnp.integer):
+        raise TypeError(f"block_ids and q_positions must be integer; got {block_ids.dtype}, {q_positions.dtype}")
+    if q_positions.shape != (b, t):
+        raise ValueError(f"q_positions must be [B, T] = {(b, t)}; got {q_positions.shape}")
+    if bias is not None and bias.shape != (b, s, kh):
+        raise ValueError(f"bias must be [B, S, K] = {(b, s, kh)}; got {bias.shape}")
+
+
+def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
+                             variant: Variant = "ws", meta: PrefillMeta | None = None,
+                             p_via_smem: bool | None = None, acc_in_place: bool | None = None):
+    """q [B, T, H, D]; k, v [B, S, K, D]; block_ids int [B, K, T, n] (64-token blocks; -1 =
+    none); q_positions int [B, T]; bias optional float [B, S, K] added to each key's logit.
+    -> [B, T, H, D] in q.dtype; a query with no visible key gets zeros.
+
+    interpret: None (compiled, GPU), True or a plgpu.InterpretGPUParams (CPU interpreter).
+    variant: "ws" (2 compute warpgroups + a TMA warpgroup) or "simple" (1 warpgroup).
+    meta: a precomputed `build_prefill_meta(block_ids padded to the tile, tile_tokens_for(G,
+    variant), n_blocks)` (layers that share a selection can reuse it).
+    p_via_smem / acc_in_place default to what the mode supports (interpret: True / False).
+    """
+    _check(q, k, v, block_ids, q_positions, bias)
+    if variant not in ("ws", "simple"):
+        raise ValueError(f"unknown variant {variant!r}; 'ws' or 'simple'")
+    if interpret is True:
+        interpret = INTERPRET
+    if p_via_smem is None:
+        p_via_smem = interpret is not None
+    if acc_in_place is None:
+        acc_in_place = interpret is None
+    b, t, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = h // kh
+    gp = padded_group(g)
+    tt = tile_tokens_for(g, variant)
+    nb = -(-s // BS)
+    # Whole blocks for TMA; the padded keys stay invisible because positions are clamped below S.
+    if s % BS:
+        k, v = (jnp.pad(x, ((0, 0), (0, nb * BS - s), (0, 0), (0, 0))) for x in (k, v))
+        if bias is not None:
+            bias = jnp.pad(bias, ((0, 0), (0, nb * BS - s), (0, 0)))
+    tpad = -t % tt
+    ids = _pad_tokens(block_ids.astype(jnp.int32), tt)
+    pos = jnp.pad(jnp.minimum(q_positions.astype(jnp.int32), s - 1), ((0, 0), (0, tpad)), constant_values=-1)
+    if meta is None:
+        meta = build_prefill_meta(ids, tt, nb)
+    tp = t + tpad
+    q5 = jnp.pad(q.reshape(b, t, kh, g, d), ((0, 0), (0, tpad), (0, 0), (0, gp - g), (0, 0)))
+    q_r = q5.transpose(0, 2, 1, 3, 4).reshape(b, kh, tp * gp, d)      # row = t * Gp + g
+    bias_r = None
+    if bias is not None:                                    # [B, K, S] rows, log2 units
+        bias_r = jnp.transpose(bias.astype(jnp.float32) * LOG2E, (0, 2, 1))
+    fn = _prefill_ws if variant == "ws" else _prefill_simple
+    o_r = fn(q_r, k, v, bias_r, meta, pos, gp=gp, p_via_smem=p_via_smem, acc_in_place=acc_in_place,
+             interpret=interpret)
+    o = o_r.reshape(b, kh, tp, gp, d)[:, :, :t, :g].transpose(0, 2, 1, 3, 4)
+    return o.reshape(b, t, h, d)
+
+
+def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
+                                       variant: Variant = "ws", meta=None, p_via_smem=None,
+                                       acc_in_place=None):
+    """The plain-jnp reference with the kernel's signature (the kernel-only options are ignored)."""
+    from sparda_jax.attention import sparse_attention_reference
+
+    return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=BS, bias=bias)

@@ -1,0 +1,201 @@
+"""The Mosaic GPU block-sparse prefill kernel against its jnp reference: the union metadata
+against plain numpy, both kernel variants in interpret mode on the CPU, the Hopper lowering on
+the CPU, and compiled on the GPU at MiniCPM size."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# The interpreter runs each warpgroup of the "ws" variant as its own XLA CPU computation whose
+# callbacks block on simulated barriers. With async dispatch those computations share the CPU
+# client's small thread pool (2 cores here): two blocked warpgroups can starve the third and
+# the run deadlocks at idle CPU (docs/mosaic-gpu-notes.md 3.2: 3 hangs in 12 runs; gone with
+# synchronous dispatch, where each warpgroup's computation runs on its own thread). Must be set
+# before the CPU client exists.
+jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+from sparda_jax.kernels.sparse_prefill import (INTERPRET, build_prefill_meta, sparse_prefill_attention,
+                                               sparse_prefill_attention_reference, union_stats)
+
+
+def _ids(rng, pos, kh, n, drop_own=()):
+    """Selector-like lists: the own block plus random earlier ones, ascending, unique, -1
+    padded, ragged counts. Tokens in drop_own select nothing (all -1)."""
+    b, t = pos.shape
+    ids = np.full((b, kh, t, n), -1, np.int32)
+    for bi in range(b):
+        for h in range(kh):
+            for ti in range(t):
+                if ti in drop_own:
+                    continue
+                own = int(pos[bi, ti]) // 64
+                cnt = int(rng.integers(1, min(n, own + 1) + 1))
+                ids[bi, h, ti, :cnt] = sorted(rng.choice(own, cnt - 1, replace=False).tolist()) + [own]
+    return ids
+
+
+def _case(seed, g, d, dtype, *, kh=2, b=2, t=100, s=300, n=5, bias=False):
+    """Chunked prefill with ragged offsets: T queries at the last T positions of each sequence
+    (sequence 1 is shorter), T and S not multiples of 64 or of the tile."""
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, kh * g, d)), dtype)
+    k = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+    v = jnp.asarray(rng.standard_normal((b, s, kh, d)), dtype)
+    length = np.array([s, s - 37, s - 5, s][:b])
+    pos = (length[:, None] - t + np.arange(t)[None]).astype(np.int32)
+    ids = _ids(rng, pos, kh, n, drop_own=(3,))   # token 3 sees nothing: its output must be 0
+    cis = jnp.asarray(rng.standard_normal((b, s, kh)), jnp.float32) if bias else None
+    return q, k, v, jnp.asarray(ids), jnp.asarray(pos), cis
+
+
+def _rel(a, ref):
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def _numpy_union(ids, tt):
+    b, kh, t, n = ids.shape
+    out = []
+    for bi in range(b):
+        for h in range(kh):
+            for i in range(t // tt):
+                rows = ids[bi, h, i * tt:(i + 1) * tt]
+                u = sorted({int(x) for x in rows.ravel() if x >= 0})
+                out.append(((bi, h, i), u, [sum(1 << r for r in range(tt) if blk in rows[r]) for blk in u]))
+    return out
+
+
+@pytest.mark.parametrize("tt", [4, 8, 32])
+def test_meta_is_the_union_of_the_tile(tt):
+    rng = np.random.default_rng(tt)
+    b, kh, t, n = 2, 2, 64, 6
+    ids = rng.integers(-1, 12, (b, kh, t, n)).astype(np.int32)   # any order, repeats, -1 anywhere
+    ids[0, 0, :tt] = -1                                           # an empty tile
+    meta = jax.jit(build_prefill_meta, static_argnums=1)(jnp.asarray(ids), tt)
+    for (bi, h, i), u, bits in _numpy_union(ids, tt):
+        assert int(meta.n_union[bi, h, i]) == len(u)
+        np.testing.assert_array_equal(meta.uids[bi, h, i, :len(u)], u)
+        assert (np.asarray(meta.uids[bi, h, i, len(u):]) == -1).all()
+        np.testing.assert_array_equal(meta.ubits[bi, h, i, :len(u)], np.array(bits, np.uint32).view(np.int32))
+
+
+def test_meta_drops_out_of_range_blocks():
+    ids = jnp.asarray([[[[0, 5], [2, 9]] * 2]], jnp.int32)       # [1, 1, 4, 2]; blocks >= 4 do not exist
+    meta = build_prefill_meta(ids, 4, n_blocks=4)
+    np.testing.assert_array_equal(meta.uids[0, 0, 0, :2], [0, 2])
+    np.testing.assert_array_equal(meta.ubits[0, 0, 0, :2], [0b0101, 0b1010])
+    assert int(meta.n_union[0, 0, 0]) == 2
+
+
+def test_union_stats():
+    pos = np.broadcast_to(np.arange(256, dtype=np.int32), (1, 256))
+    same = np.broadcast_to(np.array([0, 1, -1], np.int32), (1, 2, 256, 3))
+    st = union_stats(same, 16, "ws")                                 # every token picks {0, 1}
+    assert st["tile_tokens"] == 8 and st["mean_union"] == 2.0 and st["efficiency"] == 1.0
+    ids = _ids(np.random.default_rng(0), pos, 2, 4)
+    st = union_stats(ids, 3, "simple")                               # G=3 -> 4 rows per token, 16 tokens
+    ref = np.mean([len(u) for _, u, _ in _numpy_union(ids, 16)])
+    assert st["tile_tokens"] == 16 and st["mean_union"] == pytest.approx(ref) and st["row_fill"] == 0.75
+
+
+def _check_against_reference(out, q, k, v, ids, pos, cis):
+    f32 = lambda x: x.astype(jnp.float32)
+    # f32 reference on the same rounded inputs; `plain` is the jnp path in q's dtype, whose
+    # error is its output rounding. The kernel also rounds P to q's dtype before PV: allow 3x
+    # the plain error (FlashAttention's tests do the same); about 1e-2 relative for bf16.
+    with jax.default_matmul_precision("highest"):
+        exact = sparse_prefill_attention_reference(f32(q), f32(k), f32(v), ids, pos, bias=cis)
+        plain = sparse_prefill_attention_reference(q, k, v, ids, pos, bias=cis)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert bool(jnp.isfinite(f32(out)).all())
+    assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3), (_rel(out, exact), _rel(plain, exact))
+    return exact
+
+
+@pytest.mark.parametrize("variant,g,d,dtype,bias", [
+    ("ws", 16, 128, jnp.bfloat16, False),
+    ("ws", 3, 64, jnp.float16, True),
+    ("ws", 8, 64, jnp.bfloat16, True),
+    ("simple", 16, 64, jnp.float16, True),
+    ("simple", 3, 128, jnp.bfloat16, False),
+])
+def test_interpret_matches_reference(variant, g, d, dtype, bias):
+    q, k, v, ids, pos, cis = _case(g + d, g, d, dtype, bias=bias)
+    f = jax.jit(functools.partial(sparse_prefill_attention, variant=variant, interpret=INTERPRET))
+    out = f(q, k, v, ids, pos, bias=cis)
+    _check_against_reference(out, q, k, v, ids, pos, cis)
+    assert (np.asarray(out[:, 3], np.float32) == 0).all()          # token 3 selected nothing
+
+
+def test_interpret_causal_prefill_from_position_zero():
+    """Plain prefill (positions 0..T-1, S = T): the first block is partly in the future of
+    most of its tokens, the causal mask inside blocks does the work."""
+    rng = np.random.default_rng(7)
+    b, t, kh, g, d = 1, 150, 1, 16, 64
+    q, k, v = (jnp.asarray(rng.standard_normal(sh), jnp.bfloat16) for sh in
+               ((b, t, kh * g, d), (b, t, kh, d), (b, t, kh, d)))
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    ids = jnp.asarray(_ids(rng, pos, kh, 3))
+    out = jax.jit(functools.partial(sparse_prefill_attention, interpret=INTERPRET))(q, k, v, ids, jnp.asarray(pos))
+    _check_against_reference(out, q, k, v, ids, jnp.asarray(pos), None)
+
+
+@pytest.mark.parametrize("variant", ["ws", "simple"])
+def test_gpu_variant_lowers_for_hopper(variant):
+    """The compiled form (P from registers, accumulator in place) through the Mosaic GPU
+    lowering for sm_90 on the CPU: layouts, TMA shapes, wgmma rules, the SMEM budget."""
+    for g, d, dtype, bias in ((16, 128, jnp.bfloat16, True), (3, 64, jnp.float16, False)):
+        q, k, v, ids, pos, cis = _case(0, g, d, dtype, bias=bias, t=70, s=256, n=3)
+        jax.jit(functools.partial(sparse_prefill_attention, variant=variant)).trace(
+            q, k, v, ids, pos, bias=cis).lower(lowering_platforms=("cuda",))
+
+
+def test_rejects_unsupported_inputs():
+    q, k, v, ids, pos, _ = _case(0, 3, 64, jnp.bfloat16, t=8, s=64, n=2)
+    with pytest.raises(TypeError, match="bf16/f16"):
+        sparse_prefill_attention(q.astype(jnp.float32), k, v, ids, pos)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        sparse_prefill_attention(q[..., :32], k[..., :32], v[..., :32], ids, pos)
+    with pytest.raises(ValueError, match="block_ids"):
+        sparse_prefill_attention(q, k, v, ids[:, :1], pos)
+    with pytest.raises(ValueError, match="bias"):
+        sparse_prefill_attention(q, k, v, ids, pos, bias=jnp.zeros((2, 63, 2)))
+    with pytest.raises(ValueError, match="variant"):
+        sparse_prefill_attention(q, k, v, ids, pos, variant="fast")
+
+
+def test_dispatch_through_sparse_attention():
+    from sparda_jax import sparse_attention
+
+    q, k, v, ids, pos, cis = _case(5, 3, 64, jnp.bfloat16, t=40, s=200, n=3, bias=True)
+    got = sparse_attention(q, k, v, ids, pos, bias=cis, implementation="mosaic_gpu_interpret")
+    ref = sparse_attention(q, k, v, ids, pos, bias=cis, implementation="xla")
+    assert _rel(got, ref) < 1e-2   # both bf16 outputs (~4e-3 each); the kernel also rounds P to bf16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["ws", "simple"])
+def test_compiled_matches_reference_minicpm_size(variant):
+    """MiniCPM4 layer shape at 8K with InfLLM-V2's own selection (96 blocks: 1 init + 33
+    local + 62 by content) on random q/k."""
+    from sparda_jax import SparseConfig
+    from sparda_jax.compress import compress_keys
+    from sparda_jax.select import select_blocks_infllmv2
+
+    b, t, h, kh, d = 1, 8192, 32, 2, 128
+    ks = jax.random.split(jax.random.key(0), 4)
+    q, k, v = (jax.random.normal(kk, sh).astype(jnp.bfloat16)
+               for kk, sh in zip(ks, ((b, t, h, d), (b, t, kh, d), (b, t, kh, d))))
+    cis = jax.random.normal(ks[3], (b, t, kh)) * 0.5
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    sp = SparseConfig(dense_len=0)
+    ids = jax.jit(functools.partial(select_blocks_infllmv2, sparse=sp))(q, compress_keys(k, 32, 16), pos)
+    for bias in (None, cis):
+        out = jax.jit(functools.partial(sparse_prefill_attention, variant=variant))(q, k, v, ids, pos, bias=bias)
+        _check_against_reference(out, q, k, v, ids, pos, bias)
+    print(union_stats(ids, h // kh, variant))

@@ -26,10 +26,12 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
 from sparda_jax.config import SparseConfig
 
-__all__ = ["phase_kc", "block_scores", "topk_select", "forecast_select", "MAX_BLOCKS"]
+__all__ = ["phase_kc", "block_scores", "topk_select", "topk_select_rows", "rows_per_cta", "select_topk",
+           "topk_reference", "TOPK_IMPLS", "forecast_select", "MAX_BLOCKS"]
 
 MAX_BLOCKS = 2048  # one top-k row is 8 x 256 scores (TMA boxes hold <= 256 per dimension)
 
@@ -171,9 +173,135 @@ def topk_select(scores, k, *, interpret=None):
             interpret=interpret)(scores)
 
 
-def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None):
+def _rows_layout(rt, nbp):
+    """Register layout of an (rt, nbp) tile: warp w holds rows w*rt/4 .. (w+1)*rt/4 - 1 whole,
+    its 32 lanes split the columns in pairs. A row never spans warps, so axis-1 reductions are
+    in-thread adds plus 5 lane shuffles: no SMEM round trip, no warpgroup barrier (the
+    (8, 256) layout of `topk_select` pays both on every one of its ~140 reductions)."""
+    return plgpu.Layout.TILED(Tiling(((rt, 64), (rt // 4, 64), (2,))), warp_dims=(-5,), lane_dims=(-2,),
+                              vector_dim=-1)
+
+
+def rows_per_cta(nbp):
+    """Rows per CTA of `topk_select_rows`: the largest power of two (8..256) with at most 128
+    scores per thread (16384 per warpgroup); the lowering rejects other row counts (48: "Tiling
+    does not apply"; 4: "not canonical")."""
+    rt = 8
+    while rt < 256 and 2 * rt * nbp <= 16384:
+        rt *= 2
+    return rt
+
+
+def topk_select_rows(scores, k, *, interpret=None):
+    """Same result as `topk_select`, many rows per CTA. scores [R, NBp] f32 (NBp % 64 == 0,
+    NBp <= 2048; R % rows_per_cta(NBp) == 0; -inf: not a candidate, +inf: forced) ->
+    [R, k] int32 ids, ascending, ties to the lower id, -1 padded (== lax.top_k + sort).
+
+    One CTA (one warpgroup) holds RT = rows_per_cta(NBp) whole rows in registers, 128 scores
+    per thread at most (NBp = 2048: 8 rows; 320: 32 rows; 64: 256 rows), so the grid has R / RT CTAs and rows are
+    not padded to 2048. Same algorithm as `topk_select` (value bisection, id bisection for
+    ties, masked-min compaction), but every step works on all RT rows at once and each
+    reduction is row-wise inside one warp (see `_rows_layout`).
+
+    Expected cost per row: 32 + ceil(log2 NBp) + 1 + k row reductions (k = 96, NBp = 2048:
+    144), each ~2-4 ops per score (NBp/32 = 64 per lane) and 5 shuffles, none crossing warps;
+    about 144 * 2048 * 3 ~ 0.9 M lane-ops per row, so instruction bound: ~30 ms for the 1M rows
+    of prefill 128K x batch 4 on an H200 at full issue rate (an estimate, not measured). Bytes:
+    NBp*4 read + k*4 written per row. The k compaction steps are ~2/3 of the work.
+    """
+    R, nbp = scores.shape
+    rt = rows_per_cta(nbp)
+    if nbp % 64 or nbp > MAX_BLOCKS:
+        raise ValueError(f"rows of {nbp} scores: need a multiple of 64, at most {MAX_BLOCKS}")
+    if R % rt:
+        raise ValueError(f"{R} rows: need a multiple of {rt} (rows_per_cta)")
+    lay = _rows_layout(rt, nbp)
+    n_id_steps = max(1, math.ceil(math.log2(nbp + 1)))
+
+    def body(s_ref, o_ref, s_smem, o_smem, bar):
+        i = lax.axis_index("r")
+        plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(i * rt, rt)], s_smem, bar)  # contiguous: one bulk copy
+        plgpu.barrier_wait(bar)
+        key = f32_key(plgpu.load(s_smem, layout=lay))
+        ids = plgpu.broadcasted_iota(jnp.int32, (rt, nbp), 1, layout=lay)
+        count = lambda m: jnp.sum(m.astype(jnp.int32), axis=1)          # (rt,) row counts
+        row = lambda v: lax.broadcast_in_dim(v, (rt, nbp), [0])
+        full = lambda x: jnp.full((rt,), x, jnp.int32)
+
+        def bis_val(_, c):
+            lo, hi = c
+            mid = floor_avg(lo, hi)
+            ok = count(key >= row(mid)) >= k
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+        T, _ = lax.fori_loop(0, 32, bis_val, (full(INT_MIN), full(0x7F800001)))
+        T2 = row(T)
+        tie = key == T2
+        need = k - count(key > T2)
+
+        def bis_id(_, c):
+            lo, hi = c
+            mid = floor_avg(lo, hi)
+            ok = count(tie & (ids <= row(mid))) >= need
+            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+        _, I = lax.fori_loop(0, n_id_steps, bis_id, (full(-1), full(nbp - 1)))
+        sel = ((key > T2) | (tie & (ids <= row(I)))) & (key != KEY_NEG_INF)
+        BIG = jnp.int32(2**31 - 1)
+        vals = jnp.where(sel, ids, BIG)
+
+        def emit(j, prev):
+            nxt = jnp.min(jnp.where(vals > row(prev), vals, BIG), axis=1)
+            o_smem.at[j][...] = jnp.where(nxt == BIG, -1, nxt)
+            return nxt
+        lax.fori_loop(0, k, emit, full(-1))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[i])
+        plgpu.wait_smem_to_gmem(0)
+
+    out = plgpu.kernel(
+            body, out_type=jax.ShapeDtypeStruct((R // rt, k, rt), jnp.int32),
+            grid=(R // rt,), grid_names=("r",),
+            scratch_types=(plgpu.SMEM((rt, nbp), jnp.float32), plgpu.SMEM((k, rt), jnp.int32), plgpu.Barrier()),
+            interpret=interpret)(scores)
+    return out.transpose(0, 2, 1).reshape(R, k)   # [R/RT, k, RT]: slot-major in SMEM, one bulk store
+
+
+TOPK_IMPLS = ("rows", "bisect")
+
+
+def select_topk(scores, k, *, implementation="rows", interpret=None):
+    """scores [R, NB] f32 (-inf: not a candidate, +inf: forced) -> [R, k] int32 ids ascending,
+    ties to the lower id, -1 padded. implementation: "rows" (`topk_select_rows`, many rows per
+    CTA) or "bisect" (`topk_select`, one row of 2048 per CTA)."""
+    R, nb = scores.shape
+    if nb > MAX_BLOCKS:
+        raise ValueError(f"{nb} blocks exceed the kernel's row of {MAX_BLOCKS} (context > 128K)")
+    if implementation == "bisect":
+        rows = jnp.pad(scores, ((0, 0), (0, MAX_BLOCKS - nb)), constant_values=-jnp.inf)
+        return topk_select(rows.reshape(R, R8, C256), k, interpret=interpret)
+    if implementation != "rows":
+        raise ValueError(f"topk implementation must be one of {TOPK_IMPLS}, got {implementation!r}")
+    nbp = -(-max(nb, k) // 64) * 64     # >= k keeps the bisection's invariant simple
+    rt = rows_per_cta(nbp)
+    rp = -(-R // rt) * rt
+    rows = jnp.pad(scores, ((0, rp - R), (0, nbp - nb)), constant_values=-jnp.inf)
+    return topk_select_rows(rows, k, interpret=interpret)[:R]
+
+
+def topk_reference(scores, k):
+    """The tail of `sparda_jax.select.finalize_topk` on rows [R, NB]: same contract as
+    `select_topk`."""
+    vals, idx = lax.top_k(scores, k) if scores.shape[-1] >= k else lax.top_k(
+        jnp.pad(scores, ((0, 0), (0, k - scores.shape[-1])), constant_values=-jnp.inf), k)
+    big = jnp.iinfo(jnp.int32).max
+    idx = jnp.sort(jnp.where(vals == -jnp.inf, big, idx.astype(jnp.int32)), axis=-1)
+    return jnp.where(idx == big, -1, idx)
+
+
+def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None,
+                    topk_impl: str = "rows"):
     """Same contract as `sparda_jax.select.select_blocks_forecast` (no NOSA): f [B, Tq, K, D]
-    (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, topk]."""
+    (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, topk].
+    topk_impl: see `select_topk`."""
     b, tq, kh, d = f.shape
     if f.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU selector takes bf16/f16 Forecasts, got {f.dtype}")
@@ -190,6 +318,6 @@ def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, 
     scores = block_scores(f_r, kcp, pos, offs=offs, block_size=sparse.block_size, kernel_size=sparse.kernel_size,
                           kernel_stride=sparse.kernel_stride, init_blocks=sparse.init_blocks,
                           local_blocks=sparse.local_blocks, interpret=interpret)[:, :, :tq, :n_blocks]
-    rows = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, MAX_BLOCKS - n_blocks)), constant_values=-jnp.inf)
-    ids = topk_select(rows.reshape(b * kh * tq, R8, C256), sparse.topk, interpret=interpret)
+    ids = select_topk(scores.reshape(b * kh * tq, n_blocks), sparse.topk, implementation=topk_impl,
+                      interpret=interpret)
     return ids.reshape(b, kh, tq, sparse.topk)

@@ -171,6 +171,10 @@ def _cmd_bench(args) -> int:
         from .bench.train_step import main as run
     elif args.name == "copy":
         from .bench.copy import main as run
+    elif args.name == "select":
+        from .bench.select import main as run
+    elif args.name == "attention":
+        from .bench.attention import main as run
     else:  # argparse restricts the choices
         raise AssertionError(args.name)
     return run(args)
@@ -270,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train)
 
     bn = sub.add_parser("bench", help="efficiency benchmarks (BENCHMARKS.md); JSON under bench/results")
-    bn.add_argument("name", choices=["train", "copy"])
+    bn.add_argument("name", choices=["train", "copy", "select", "attention"])
     bn.add_argument("--preset", default="minicpm4.1-8b")
     bn.add_argument("--seq-len", type=int, default=32768)
     bn.add_argument("--micro-batch", type=int, default=1)
@@ -279,6 +283,20 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--repeats", type=int, default=3, help="timed repeats (copy: use ~20)")
     bn.add_argument("--pool-mib", type=int, default=2048, help="copy: size of the pinned host pool")
     bn.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="copy: MiB per gather")
+    bn.add_argument("--lengths", type=int, nargs="+", help="select/attention: contexts (default 32768 65536 131072)")
+    bn.add_argument("--batch", type=int, help="select/attention: prefill batch (default 4)")
+    bn.add_argument("--decode-batches", type=int, nargs="+",
+                    help="decode batches (attention default 16 64; select default: --batch)")
+    bn.add_argument("--variants", nargs="+", help="select: forecast_xla forecast_mosaic infllmv2_xla infllmv2_mosaic"
+                                                  "[@topk_impl]; attention: mosaic_gpu xla cudnn dense_xla")
+    bn.add_argument("--timed-queries", type=int,
+                    help="queries per sequence for sliced variants (select default 8192, attention 2048)")
+    bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")
+    bn.add_argument("--budget-s", type=float, default=140.0,
+                    help="select/attention: skip configurations started after this many seconds")
+    bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
+    bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
+    bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")
     bn.add_argument("--out", help="result JSON (e.g. bench/results/train.json)")
     bn.set_defaults(fn=_cmd_bench)
 

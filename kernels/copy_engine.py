@@ -96,10 +96,11 @@ def _check(pool, src, dst, cache):
 
 
 def gather_blocks_reference(pool, src, dst, cache):
-    """cache[dst[i]] = pool[src[i]] for every i with src[i] >= 0 (in order; later tasks win)."""
+    """cache[dst[i]] = pool[src[i]] for every i with src[i] >= 0 and dst[i] >= 0 (in order;
+    later tasks win)."""
     _check(pool, src, dst, cache)
     p = jax.device_put(pool, jax.memory.Space.Device) if _on_host(pool) else pool
-    ok = src >= 0
+    ok = (src >= 0) & (dst >= 0)
     rows = p[jnp.clip(src, 0, p.shape[0] - 1)]
     return cache.at[jnp.where(ok, dst, cache.shape[0])].set(rows, mode="drop")
 
@@ -134,9 +135,12 @@ def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: 
                 block_bytes=_block_bytes(cache))
 
 
-def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, implementation: str | None = None):
+def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True,
+                        implementation: str | None = None):
     """Start `gather_blocks`; returns the cache being written. Nothing may read it before
-    `gather_blocks_wait(cache, src, dst, after)` with the same src and dst."""
+    `gather_blocks_wait(cache, src, dst, after)` with the same src and dst. resident: XLA's
+    stream goes on only once every copy CTA holds its SM (else a persistent GEMM issued next
+    can hold all SMs and the copy waits for it)."""
     if _resolve(implementation) == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
     _check(pool, src, dst, cache)
@@ -144,7 +148,7 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, implementa
     call = jax.ffi.ffi_call("sparda_gather_start", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={3: 0}, has_side_effect=True)
     return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
-                block_bytes=_block_bytes(cache))
+                block_bytes=_block_bytes(cache), resident=np.int32(resident))
 
 
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
@@ -159,11 +163,11 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
 
 
 def scatter_blocks_reference(cache, src, dst, pool):
-    """pool[dst[i]] = cache[src[i]] for every i with src[i] >= 0 (later tasks win)."""
+    """pool[dst[i]] = cache[src[i]] for every i with src[i] >= 0 and dst[i] >= 0 (later tasks win)."""
     _check(pool, dst, src, cache)
     on_host = _on_host(pool)
     p = jax.device_put(pool, jax.memory.Space.Device) if on_host else pool
-    ok = src >= 0
+    ok = (src >= 0) & (dst >= 0)
     rows = cache[jnp.clip(src, 0, cache.shape[0] - 1)].astype(p.dtype)
     p = p.at[jnp.where(ok, dst, p.shape[0])].set(rows, mode="drop")
     return jax.device_put(p, jax.memory.Space.Host) if on_host else p

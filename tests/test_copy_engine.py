@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,16 +102,16 @@ def test_cuda_start_wait_equals_reference_with_work_between():
     host = _on_host(pool)
     w = jax.random.normal(jax.random.key(0), (2048, 2048), jnp.bfloat16)
 
-    @jax.jit
-    def f(p, s, d, c, w):
-        started = gather_blocks_start(p, s, d, c, num_ctas=8, implementation="cuda")
+    @functools.partial(jax.jit, static_argnums=5)
+    def f(p, s, d, c, w, resident):
+        started = gather_blocks_start(p, s, d, c, num_ctas=8, resident=resident, implementation="cuda")
         y = w
         for _ in range(4):  # work XLA issues while the copy runs
             y = jnp.tanh(y @ w)
         return gather_blocks_wait(started, s, d, y, implementation="cuda"), y
 
-    for _ in range(3):  # repeated: events and streams are reused
-        out, _ = f(host, src, dst, cache, w)
+    for resident in (False, True, True):  # repeated: events, streams and the CTA counter are reused
+        out, _ = f(host, src, dst, cache, w, resident)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
 
 

@@ -8,7 +8,11 @@
 //
 //   SpardaGatherBlocks   cache[dst[t]] = pool[src[t]] on XLA's stream (synchronous in stream order)
 //   SpardaGatherStart    the same copy on a high-priority side stream, after XLA's stream has
-//                        produced the inputs; returns at once, so XLA's next kernels run beside it
+//                        produced the inputs; returns at once, so XLA's next kernels run beside it.
+//                        With `resident`, XLA's stream also waits until every copy CTA is running
+//                        (a stream wait on a counter the CTAs raise): Hopper GEMMs are persistent
+//                        and hold every SM to their end, so a copy launched a moment after one
+//                        would wait for it; resident first, the copy keeps its SMs (the paper's quota)
 //   SpardaGatherWait     XLA's stream waits for the copy started into this cache; takes src/dst
 //                        (kept alive until the copy is done) and `after` (any array that must be
 //                        computed before the wait, which pins the wait's place in XLA's schedule)
@@ -26,6 +30,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "xla/ffi/api/ffi.h"
@@ -34,7 +39,12 @@ namespace ffi = xla::ffi;
 
 __global__ void copy_blocks_kernel(const uint4* __restrict__ from, const int32_t* __restrict__ src,
                                    const int32_t* __restrict__ dst, uint4* __restrict__ to, int64_t n_tasks,
-                                   int64_t vecs_per_block, int64_t n_from, int64_t n_to) {
+                                   int64_t vecs_per_block, int64_t n_from, int64_t n_to,
+                                   unsigned int* started) {
+  if (started != nullptr && threadIdx.x == 0) {  // announce that this CTA holds its SM
+    atomicAdd(started, 1u);
+    __threadfence_system();
+  }
   for (int64_t t = blockIdx.x; t < n_tasks; t += gridDim.x) {
     const int32_t s = src[t];
     const int32_t d = dst[t];
@@ -52,9 +62,13 @@ static ffi::Error cuda_error(const char* what, cudaError_t err) {
 }
 
 // Validates one copy from `from` (n_from blocks) into `to` (n_to blocks) and launches it.
+static int copy_grid(int64_t n, int32_t num_ctas) {
+  return static_cast<int>(num_ctas < 1 ? 1 : (num_ctas > n ? n : num_ctas));
+}
+
 static ffi::Error launch_copy(cudaStream_t stream, const void* from, size_t from_bytes, ffi::Buffer<ffi::S32> src,
                               ffi::Buffer<ffi::S32> dst, void* to, size_t to_bytes, int32_t num_ctas,
-                              int64_t block_bytes) {
+                              int64_t block_bytes, unsigned int* started = nullptr) {
   if (block_bytes <= 0 || block_bytes % 16 != 0) {
     return ffi::Error::InvalidArgument("block_bytes must be a positive multiple of 16");
   }
@@ -69,11 +83,10 @@ static ffi::Error launch_copy(cudaStream_t stream, const void* from, size_t from
   }
   const int64_t n = static_cast<int64_t>(src.element_count());
   if (n == 0) return ffi::Error::Success();
-  const int grid = static_cast<int>(num_ctas < 1 ? 1 : (num_ctas > n ? n : num_ctas));
-  copy_blocks_kernel<<<grid, 256, 0, stream>>>(static_cast<const uint4*>(from), src.typed_data(), dst.typed_data(),
-                                               static_cast<uint4*>(to), n, block_bytes / 16,
-                                               static_cast<int64_t>(from_bytes / block_bytes),
-                                               static_cast<int64_t>(to_bytes / block_bytes));
+  copy_blocks_kernel<<<copy_grid(n, num_ctas), 256, 0, stream>>>(
+      static_cast<const uint4*>(from), src.typed_data(), dst.typed_data(), static_cast<uint4*>(to), n,
+      block_bytes / 16, static_cast<int64_t>(from_bytes / block_bytes), static_cast<int64_t>(to_bytes / block_bytes),
+      started);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error("copy_blocks launch failed", err);
   return ffi::Error::Success();
@@ -109,6 +122,8 @@ namespace {
 // the cache buffer it writes: Start and Wait of one copy see the same buffer, aliased through both.
 struct SideStream {
   cudaStream_t stream = nullptr;
+  unsigned int* started = nullptr;  // device counter of copy CTAs that have begun (wraps)
+  unsigned int launched = 0;        // CTAs launched so far, host side
   std::unordered_map<uintptr_t, cudaEvent_t> in_flight;
   std::vector<cudaEvent_t> spare;
 };
@@ -127,8 +142,29 @@ cudaError_t side_stream(SideStream** out) {
     if (err != cudaSuccess) return err;
     err = cudaStreamCreateWithPriority(&s.stream, cudaStreamNonBlocking, greatest);
     if (err != cudaSuccess) return err;
+    err = cudaMalloc(&s.started, sizeof(unsigned int));
+    if (err != cudaSuccess) return err;
+    err = cudaMemset(s.started, 0, sizeof(unsigned int));
+    if (err != cudaSuccess) return err;
   }
   *out = &s;
+  return cudaSuccess;
+}
+
+// cuStreamWaitValue32 from the driver, looked up at run time (no link against libcuda)
+using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
+
+cudaError_t wait_value_fn(WaitValueFn* out) {
+  static WaitValueFn fn = nullptr;
+  if (fn == nullptr) {
+    cudaDriverEntryPointQueryResult status;
+    void* p = nullptr;
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &status);
+    if (err != cudaSuccess) return err;
+    if (status != cudaDriverEntryPointSuccess || p == nullptr) return cudaErrorSymbolNotFound;
+    fn = reinterpret_cast<WaitValueFn>(p);
+  }
+  *out = fn;
   return cudaSuccess;
 }
 
@@ -145,7 +181,8 @@ cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
 
 static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
                                   ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
-                                  ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes) {
+                                  ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes,
+                                  int32_t resident) {
   if (cache_in.untyped_data() != cache_out->untyped_data()) {
     return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
   }
@@ -165,11 +202,21 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi:
   if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   if ((err = cudaStreamWaitEvent(s->stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
+  const int64_t n = static_cast<int64_t>(src.element_count());
   ffi::Error e = launch_copy(s->stream, pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
-                             cache_out->size_bytes(), num_ctas, block_bytes);
+                             cache_out->size_bytes(), num_ctas, block_bytes, resident ? s->started : nullptr);
   if (e.failure()) return e;
   if ((err = cudaEventRecord(done, s->stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   s->in_flight[key] = done;
+  if (resident && n > 0) {
+    WaitValueFn wait_value = nullptr;
+    if ((err = wait_value_fn(&wait_value)) != cudaSuccess) return cuda_error("cuStreamWaitValue32 lookup", err);
+    s->launched += static_cast<unsigned int>(copy_grid(n, num_ctas));
+    // GEQ compares as (int32)(*addr - value) >= 0, so the wrapping counter stays correct
+    const CUresult r = wait_value(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(s->started),
+                                  s->launched, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) return ffi::Error::Internal("cuStreamWaitValue32 failed: CUresult " + std::to_string(r));
+  }
   return ffi::Error::Success();
 }
 
@@ -182,7 +229,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .Arg<ffi::AnyBuffer>()          // cache (aliased)
                                   .Ret<ffi::AnyBuffer>()          // cache, being written
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes"));
+                                  .Attr<int64_t>("block_bytes")
+                                  .Attr<int32_t>("resident"));
 
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> src,
                                  ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,

@@ -8,8 +8,8 @@ is left out of "best"):
   forecast_xla     sparda_jax.select.select_blocks_forecast
   forecast_mosaic  kernels/forecast_select.py  forecast_select
   infllmv2_xla     sparda_jax.select.select_blocks_infllmv2 (exact LSE)
-  infllmv2_mosaic  kernels/infllmv2_select.py  infllmv2_select; "infllmv2_mosaic@<impl>" passes
-                   topk_impl=<impl>
+  infllmv2_mosaic  kernels/infllmv2_select.py  infllmv2_select
+  "<mosaic variant>@<impl>" passes topk_impl=<impl> ("rows" when absent; "bisect" also runs by default)
 Kernels are imported lazily: one that is missing or fails to compile records why.
 
 Prefill: every variant runs on the same query slice (runs of 512 consecutive queries spread
@@ -38,7 +38,8 @@ from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
 __all__ = ["bench_select", "selector", "id_check", "plot", "table"]
 
 # kernels under test last: a fault that kills the process loses only them (JSON snapshots)
-VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_mosaic", "infllmv2_mosaic")
+VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_mosaic", "forecast_mosaic@bisect", "infllmv2_mosaic",
+            "infllmv2_mosaic@bisect")
 # Reduced precision only swaps near-tied blocks at the top-k boundary (a few ids in a thousand);
 # a wrong mask or pooling keeps little more than the 34 forced blocks of 96 (agreement ~0.4).
 AGREEMENT_BOUND = 0.95
@@ -57,7 +58,8 @@ def selector(name: str, sparse, n_blocks: int):
     if base == "forecast_mosaic":
         from sparda_jax.kernels.forecast_select import forecast_select
 
-        return "forecast", functools.partial(forecast_select, sparse=sparse, n_blocks=n_blocks)
+        kw = {"topk_impl": impl} if impl else {}
+        return "forecast", functools.partial(forecast_select, sparse=sparse, n_blocks=n_blocks, **kw)
     if base == "infllmv2_mosaic":
         from sparda_jax.kernels.infllmv2_select import infllmv2_select
 
@@ -254,7 +256,7 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
                          "seconds_layer = seconds * T / timed_queries; decode: seconds / steps",
               "floors": "max(matmul FLOPs over visible chunks / bf16 matmul rate, bytes / copy bandwidth); "
                         "softmax exponentials of InfLLM-V2 are not in the floor",
-              "attention": "sparse attention of the same layer: best checked of mosaic_gpu and xla "
+              "attention": "sparse attention of the same layer: best checked of mosaic_gpu (prefill: ws and simple) and xla "
                            "(bench/attention.py prefill_case / decode_case)"}
     r = {"name": "select", "complete": False, "environment": environment(), "config": config, "ceilings": ceil,
          "cases": [], "skipped": [], "claims": []}
@@ -284,7 +286,7 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
 
     for t in lengths:
         run("prefill", t, batch, prefill_select_case,
-            lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu"),
+            lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu", "mosaic_gpu@simple"),
                                       timed_queries=attention_timed_queries, **attn_kw),
             timed_queries=timed_queries)
     for t in lengths:

@@ -38,7 +38,7 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
 
     from sparda_jax.bench.attention import bench_attention, plot, table
 
-    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu"), timed_queries=256,
+    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple"), timed_queries=256,
                         **_tiny_kw(tmp_path, "attention"))
     assert r["complete"] and json.loads((tmp_path / "attention.json").read_text())["complete"]
     assert r["ceilings"]["matmul_tflops"] > 0 and r["ceilings"]["hbm_gb_per_s"] > 0

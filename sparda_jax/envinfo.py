@@ -24,11 +24,13 @@ def _git(*args: str) -> str | None:
 
 def environment() -> dict:
     dev = jax.devices()[0]
-    status = _git("status", "--porcelain", "--untracked-files=no")
-    # The GPU machine gets a copy of the tree without .git; scripts/device_setup.sh exports
-    # SPARDA_COMMIT from a .commit file written before the call.
+    # The GPU machine gets a copy of the working tree whose .git (if any) is not this one's:
+    # scripts/device_setup.sh exports SPARDA_COMMIT from a .commit file written before the call,
+    # and it wins over whatever git says there.
+    pinned = os.environ.get("SPARDA_COMMIT")
+    status = None if pinned else _git("status", "--porcelain", "--untracked-files=no")
     return {
-        "commit": _git("rev-parse", "HEAD") or os.environ.get("SPARDA_COMMIT"),
+        "commit": pinned or _git("rev-parse", "HEAD"),
         "dirty": None if status is None else bool(status),
         "jax": jax.__version__,
         "backend": jax.default_backend(),

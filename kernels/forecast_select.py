@@ -6,10 +6,14 @@ top-k without sort.
    re-laid in XLA into P = r + left "phase planes" (`phase_kc`: plane o, row kb = chunk r*kb+o),
    so the pool is an elementwise max over P wgmma outputs. Invisible chunks are -inf; the
    candidate / forced rules of `sparda_jax.select.finalize_topk` are applied in the kernel.
-2. `topk_select`: one row (<= 2048 block scores, viewed as 8 x 256) per CTA. Scores map to
+2. `topk_select` ("bisect"): one row (<= 2048 block scores, viewed as 8 x 256) per CTA. Scores map to
    monotone int32 keys; a 32-step bisection finds the k-th key, a 12-step bisection over ids
    breaks ties towards lower ids (lax.top_k's order), and k masked-min reductions emit the ids
    in ascending order, -1 padded.
+
+3. `topk_select_rows`: the same algorithm with many rows per CTA (8 at 2048 blocks, more for
+   shorter rows; rows not padded to 2048) and row-wise reductions that stay inside one warp.
+   `select_topk(..., implementation="rows" | "bisect")` picks one; both emit the same ids.
 
 `forecast_select` chains them with the layout of `sparda_jax.select.select_blocks_forecast`,
 which is the reference. Drafted and checked in interpret mode and by the CPU lowering check

@@ -61,7 +61,7 @@ def _vis(c, p2, n_chunks, kernel_size, kernel_stride):
 
 def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, interpret=None):
     """q_r [B, K, Tt, G*64, D] (`layout_q`), kc_r [B, K, Ncp, D] (Ncp % 64 == 0, rows >= n_chunks
-    ignored), pos [B, Tt*64] int32 (-1 = padding) -> lse [B, K, Tt, G*64] f32: per query head the
+    ignored), pos [B, Tt*64] int32 (-1 = padding) -> lse [B, K, Tt, G, 64] f32: per query head the
     log-sum-exp of q.kc/sqrt(D) over the chunks visible at its position (about NEG where none)."""
     B, K, Tt, GR, D = q_r.shape
     G, Ncp = GR // 64, kc_r.shape[2]
@@ -97,11 +97,11 @@ def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, inte
                 max_concurrent_steps=2, init_carry=init)(kc_ref.at[b, h])
         lse_smem[...] = m + jnp.log(jnp.maximum(l, 1e-30))
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(lse_smem, o_ref.at[b, h, t, pl.ds(g * 64, 64)])
+        plgpu.copy_smem_to_gmem(lse_smem, o_ref.at[b, h, t, g])
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((B, K, Tt, GR), jnp.float32),
+            body, out_type=jax.ShapeDtypeStruct((B, K, Tt, G, 64), jnp.float32),
             grid=(B, K, Tt, G), grid_names=("b", "h", "t", "g"),
             scratch_types=(plgpu.SMEM((64, D), q_r.dtype, transforms=MMA_T), plgpu.SMEM((64,), jnp.int32),
                            plgpu.SMEM((64,), jnp.float32), plgpu.Barrier(num_arrivals=2)),
@@ -121,12 +121,12 @@ def head_lse_reference(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_strid
     masked = jnp.where(vis, lg, NEG)
     m = jnp.max(masked, axis=-1, initial=NEG)
     s = jnp.sum(jnp.where(vis, jnp.exp(masked - m[..., None]), 0.0), axis=-1)
-    return (m + jnp.log(jnp.maximum(s, 1e-30))).reshape(B, K, Tt, GR)
+    return m + jnp.log(jnp.maximum(s, 1e-30))
 
 
 def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_size=32, kernel_stride=16,
                  init_blocks=1, local_blocks=32, interpret=None):
-    """q_r [B, K, Tt, G*64, D] (`layout_q`), kcp [B, K, P, NBp, D] (`phase_kc`), lse [B, K, Tt, G*64]
+    """q_r [B, K, Tt, G*64, D] (`layout_q`), kcp [B, K, P, NBp, D] (`phase_kc`), lse [B, K, Tt, G, 64]
     (`head_lse`), pos [B, Tt*64] -> [B, K, Tt*64, NBp] f32 block scores: the max over each block's
     chunks of the group score sum_g exp(logit_g - lse_g); -inf = not a candidate, +inf = forced."""
     B, K, Tt, GR, D = q_r.shape
@@ -168,7 +168,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
                 def _():
                     q_copy(g + 1, 1 - slot)                          # its slot's wgmmas (head g-1) are done
                 plgpu.barrier_wait(qbar.at[slot])
-                lse_g = plgpu.load(lse_smem.at[pl.ds(g * 64, 64)], layout=L.reduce(1))
+                lse_g = plgpu.load(lse_smem.at[g], layout=L.reduce(1))
                 lse2 = lax.broadcast_in_dim(lse_g, (64, 64), [0])
                 out = []
                 for pi in range(P):
@@ -205,7 +205,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
             body, out_type=jax.ShapeDtypeStruct((B, K, Tt * 64, NBp), jnp.float32),
             grid=(B, K, Tt), grid_names=("b", "h", "t"),
             scratch_types=(plgpu.SMEM((2, 64, D), q_r.dtype, transforms=MMA_T),
-                           plgpu.SMEM((GR,), jnp.float32), plgpu.SMEM((64,), jnp.int32),
+                           plgpu.SMEM((G, 64), jnp.float32), plgpu.SMEM((64,), jnp.int32),
                            plgpu.SMEM((64, 64), jnp.float32),
                            plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_barriers=2)),
             interpret=interpret)(q_r, kcp, lse, pos)
@@ -221,7 +221,7 @@ def block_scores_reference(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64,
     r = block_size // kernel_stride
     qf = q_r.astype(jnp.float32).reshape(B, K, Tt, G, 64, D)
     lg = jnp.einsum("BKTGRD,BKPND->BKTGRPN", qf, kcp.astype(jnp.float32)) / math.sqrt(D)
-    e = jnp.exp(lg - lse.reshape(B, K, Tt, G, 64)[..., None, None]).sum(axis=3)   # [B,K,Tt,64,P,NBp]
+    e = jnp.exp(lg - lse[..., None, None]).sum(axis=3)   # [B,K,Tt,64,P,NBp]
     p2 = pos.reshape(B, 1, Tt, 64, 1, 1)
     blk = jnp.arange(NBp).reshape(1, 1, 1, 1, 1, NBp)
     c = r * blk + jnp.asarray(offs).reshape(1, 1, 1, 1, P, 1)

@@ -13,7 +13,8 @@ from jax import lax
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
-from sparda_jax.kernels.forecast_select import C256, R8, forecast_select, topk_select
+from sparda_jax.kernels.forecast_select import (C256, R8, forecast_select, select_topk, topk_reference,
+                                               topk_select)
 from sparda_jax.select import n_blocks_for, select_blocks_forecast
 
 INTERPRET = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams()
@@ -27,13 +28,14 @@ def _case(seed, t=640, kh=2, d=64, b=1):
     return f, compress_keys(k, 32, 16), pos
 
 
-@pytest.mark.parametrize("d,local", [(64, 1), (128, 2)])
-def test_interpret_selects_what_the_jnp_selector_selects(d, local):
+@pytest.mark.parametrize("d,local,impl", [(64, 1, "rows"), (128, 2, "rows"), (64, 2, "bisect")])
+def test_interpret_selects_what_the_jnp_selector_selects(d, local, impl):
     sp = SparseConfig(local_blocks=local, topk=local + 5, dense_len=0)
     f, kc, pos = _case(d, d=d)
     nb = n_blocks_for(kc.shape[1], sp)
     ref = select_blocks_forecast(f, kc, pos, sp, n_blocks=nb)
-    got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb, interpret=INTERPRET))(f, kc, pos)
+    got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb, interpret=INTERPRET,
+                                    topk_impl=impl))(f, kc, pos)
     np.testing.assert_array_equal(got, ref)
 
 
@@ -53,6 +55,33 @@ def test_topk_select_edge_rows():
     np.testing.assert_array_equal(got, ref)
 
 
+def _edge_rows(seed, rows, nb, k):
+    s = np.random.default_rng(seed).standard_normal((rows, nb)).astype(np.float32)
+    s[0, k // 2:] = -np.inf                  # fewer candidates than k: -1 padding
+    s[1, :3] = np.inf                        # forced blocks
+    s[2] = np.round(s[2] * 2) / 2            # heavy ties: lower ids first
+    s[3, :] = -np.inf                        # nothing: all -1
+    s[4, : min(nb, k + 10)] = np.inf         # more forced than k: the lowest ids
+    s[5, ::3] = 0.25                         # ties straddling the k-th place
+    return jnp.asarray(s)
+
+
+@pytest.mark.parametrize("nb,k,rows", [(2048, 20, 11), (300, 7, 37), (64, 5, 6), (40, 48, 6)])
+def test_topk_rows_matches_lax_top_k(nb, k, rows):
+    # (40, 48): rows shorter than k; rows not a multiple of the kernel's rows per CTA
+    s = _edge_rows(nb, rows, nb, k)
+    got = jax.jit(functools.partial(select_topk, k=k, implementation="rows", interpret=INTERPRET))(s)
+    np.testing.assert_array_equal(got, topk_reference(s, k))
+
+
+def test_topk_lowers_for_hopper_at_prefill_128k():
+    # batch 4 x 2 KV heads x 128K queries, 2048 blocks, topk 96: shapes only, nothing allocated
+    s = jax.ShapeDtypeStruct((4 * 2 * 131072, 2048), jnp.float32)
+    for impl in ("rows", "bisect"):
+        jax.jit(functools.partial(select_topk, k=96, implementation=impl)).trace(s).lower(
+            lowering_platforms=("cuda",))
+
+
 def test_kernels_lower_for_hopper():
     sp = SparseConfig(local_blocks=2, topk=12, dense_len=0)
     f, kc, pos = _case(1, t=1024, d=128)
@@ -69,3 +98,14 @@ def test_compiled_matches_jnp_selector():
     ref = select_blocks_forecast(f, kc, pos, sp, n_blocks=nb)
     got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb))(f, kc, pos)
     assert float(jnp.mean(got == ref)) > 0.999  # f32 sums in another order may swap exact near-ties
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["rows", "bisect"])
+def test_compiled_topk_is_exact(impl):
+    # the top-k of given scores has no float reordering: ids must be equal exactly
+    rows, nb, k = 65536, 2048, 96
+    s = jax.random.normal(jax.random.key(3), (rows, nb))
+    s = s.at[:6].set(_edge_rows(0, 6, nb, k))
+    got = jax.jit(functools.partial(select_topk, k=k, implementation=impl))(s)
+    np.testing.assert_array_equal(got, topk_reference(s, k))

@@ -13,10 +13,12 @@ the missing ones from the host into free slots (`blockcache.assign_slots`), writ
 token's K/V into its block's slot, attend through the slot table. In `sparda` the copy for
 layer l+1 is issued during layer l (its Forecast F_l is known there) and carried to the next
 iteration of the layer scan; `sparda_sync` copies at layer l. The numbers are the same; what
-differs is when the copy may run, which matters once the copy is asynchronous (the CUDA copy
-engine, a later step). A block reaches the host when prefill writes it or when decode
-completes it (its last token written); until then it lives in its slot, always resident
-because the local window forces it.
+differs is when the copy runs: with the CUDA copy engine, `sparda` starts layer l+1's copy on
+a side stream before layer l's attention and waits for it in layer l+1
+(`gather_blocks_start` / `gather_blocks_wait`; the layer loop is unrolled then, see
+`_engine_decode`). A block reaches the host when prefill writes it or when decode completes
+it (its last token written, written back by `scatter_blocks`); until then it lives in its
+slot, always resident because the local window forces it.
 
 Modes: dense_resident and sparse_resident run `sparda_jax.modes` with all KV on the device;
 sparse, infinigen, sparda_sync and sparda are the offload modes.
@@ -38,7 +40,8 @@ from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
 
-from sparda_jax.kernels.copy_engine import gather_blocks, paper_num_ctas
+from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_start, gather_blocks_wait, paper_num_ctas,
+                                            scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -136,29 +139,51 @@ class _EnginePlan:
     num_ctas: int
 
 
-def _gather_blocks(plan, host: dict, layer, a, ids, cache_l: dict) -> dict:
-    """Copy the missing blocks of layer `layer` (1-based; host index layer - 1) from the host
-    pools [L-1, B, K, nb, bs, X] into the slots of the layer's cache [B, K, n_slots, bs, X],
-    every payload with the same task list: task (b, k, i) copies block ids[b, k, i] into slot
-    a.slots[b, k, i] when a.copy says so. The CUDA engine reads the whole pool in place (only
-    the wanted blocks cross PCIe); the reference slices the layer first."""
+def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
+    """The task lists of one layer's copy: task (b, k, i) copies block ids[b, k, i] into slot
+    a.slots[b, k, i] when a.copy says so (-1: no task). The CUDA engine reads the whole pool
+    in place (only the wanted blocks cross PCIe), so its sources index all layers; the
+    reference slices the layer first."""
     l1, b, kh, nb = host["k"].shape[:4]
-    n_slots = cache_l["k"].shape[2]
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
     dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)
     if plan.copy_impl == "cuda":
         src = jnp.where(a.copy, (((layer - 1) * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
-        pool = lambda h: h.reshape(l1 * b * kh * nb, *h.shape[4:])
     else:
         src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
-        pool = lambda h: h[layer - 1].reshape(b * kh * nb, *h.shape[4:])
+    return src.astype(jnp.int32), dst.astype(jnp.int32)
+
+
+def _pool(plan, h, layer):
+    l1, b, kh, nb = h.shape[:4]
+    if plan.copy_impl == "cuda":
+        return h.reshape(l1 * b * kh * nb, *h.shape[4:])
+    return h[layer - 1].reshape(b * kh * nb, *h.shape[4:])
+
+
+def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: bool = False) -> dict:
+    """Copy the tasks (src, dst) of layer `layer` (1-based; host index layer - 1) from the
+    host pools [L-1, B, K, nb, bs, X] into the layer's cache slots [B, K, n_slots, bs, X], every
+    payload with the same task list. start: only start the copy (`_wait_blocks` completes it)."""
     out = {}
     for name, c in cache_l.items():
-        flat = c.reshape(b * kh * n_slots, *c.shape[3:])
-        out[name] = gather_blocks(pool(host[name]), src, dst, flat, num_ctas=plan.num_ctas,
-                                  implementation=plan.copy_impl).reshape(c.shape)
+        flat = c.reshape(-1, *c.shape[3:])
+        if start:
+            flat = gather_blocks_start(_pool(plan, host[name], layer), src, dst, flat, num_ctas=plan.num_ctas,
+                                       implementation=plan.copy_impl)
+        else:
+            flat = gather_blocks(_pool(plan, host[name], layer), src, dst, flat, num_ctas=plan.num_ctas,
+                                 implementation=plan.copy_impl)
+        out[name] = flat.reshape(c.shape)
     return out
+
+
+def _wait_blocks(plan, f: "_Fetched", after) -> dict:
+    """The caches of a started copy once it is complete; `after` orders the wait after it."""
+    return {name: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), f.src, f.dst, after,
+                                     implementation=plan.copy_impl).reshape(c.shape)
+            for name, c in f.cache.items()}
 
 
 def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
@@ -174,23 +199,31 @@ def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
 
 
 class _Fetched(struct.PyTreeNode):
-    """One layer's selection and its cache after the copy: what `sparda` carries to the next
-    layer, and what the synchronous modes compute in place."""
+    """One layer's selection and its cache after the copy (or with the copy in flight): what
+    `sparda` carries to the next layer, and what the synchronous modes compute in place."""
 
     ids: jax.Array       # [B, K, n]
     slots: jax.Array     # [B, K, n]
     cache: dict          # payload -> [B, K, n_slots, bs, X]
     table: jax.Array     # [B, K, n_slots]
     n_copies: jax.Array
+    src: jax.Array       # the copy's task lists (kept alive until its wait)
+    dst: jax.Array
 
 
-def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos) -> _Fetched:
+def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos, *, start: bool = False,
+           active=True) -> _Fetched:
+    """Select slots for `ids` and copy the missing blocks; `active` False turns the copy into
+    no tasks (the prefetch past the last layer)."""
     if not plan.reuse:
         # the no-reuse baseline copies every selected block, except the one being written:
         # its newest tokens exist only in its slot until the block completes
         table = jnp.where(table == (pos // plan.config.sparse.block_size)[:, None, None], table, -1)
     a = assign_slots(table, ids)
-    return _Fetched(ids, a.slots, _gather_blocks(plan, host, layer, a, ids, cache_l), a.table, a.n_copies)
+    src, dst = _copy_tasks(plan, host, layer, a, ids, table.shape[-1])
+    src = jnp.where(active, src, -1)
+    cache = _gather_blocks(plan, host, layer, src, dst, cache_l, start=start)
+    return _Fetched(ids, a.slots, cache, a.table, jnp.where(active, a.n_copies, 0), src, dst)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
@@ -200,6 +233,9 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     bs = sp.block_size
     sel_mode = selector_of(plan.mode)
     prefetch = plan.mode == "sparda"
+    # the CUDA copy of layer l+1 runs on its own stream during layer l (start ... wait); the
+    # reference copy is complete when it returns
+    async_copy = prefetch and plan.copy_impl == "cuda"
     pos = positions
     qpos = pos[:, None]
     cos, sin = rope_tables(c, qpos)
@@ -232,12 +268,12 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         keys = KeySide(None, None, kc, None, cis_c(cc), pk_l)
         return select_for_mode(c, mode, q, keys, qpos, sel_in, first, n_blocks)[:, :, 0]
 
-    def prefetch_next(h, l_next, table, cache_l, ckeys_next, ccis_next):
+    def prefetch_next(h, l_next, table, cache_l, ckeys_next, ccis_next, active=True):
         """sparda: F_l (kernel l+1) against layer l+1's compressed keys, before layer l+1 has
         appended its new key (that chunk lies in the forced local window, so the choice is
         the same)."""
         ids = select("sparda", None, h, h, None, l_next, ckeys_next.kc, ccis_next, None, False)
-        return _fetch(plan, ids, table, cache_l, state.host, l_next, pos)
+        return _fetch(plan, ids, table, cache_l, state.host, l_next, pos, start=async_copy, active=active)
 
     # layer 0: on the device, contiguous
     x = embed(params, tokens[:, None], c, plan.dtype)
@@ -246,13 +282,16 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
                                                None if state.pk is None else state.pk[0])
     l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype)) for n, a in state.l0.items()}
     ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
+    pre = None
+    if prefetch:  # layer 1's copy runs during layer 0's attention and FFN
+        pre = prefetch_next(h0, 1, state.table[0], at(state.cache, 0), at(state.ckeys, 1),
+                            None if state.ccis is None else at(state.ccis, 1))
+        if async_copy:
+            started, q0 = jax.lax.optimization_barrier((pre.cache, q0))
+            pre = pre.replace(cache=started)
     attn = sparse_attention(q0, l0["k"].astype(q0.dtype), l0["v"].astype(q0.dtype), ids0[:, :, None], qpos,
                             block_size=bs, bias=l0["cis"][..., 0] if "cis" in l0 else None)
     x = layer.apply(v0, x, attn, method="finish")
-    pre = None
-    if prefetch:
-        pre = prefetch_next(h0, 1, state.table[0], at(state.cache, 0), at(state.ckeys, 1),
-                            None if state.ccis is None else at(state.ccis, 1))
 
     # layers 1..L-1. Per-layer cache arrays are indexed by layer - 1, compressed keys by layer;
     # `nxt` gives iteration l the slices of layer l+1 (the last iteration gets a dummy).
@@ -272,7 +311,13 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         if prefetch:
             own = pre
             new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
-                                    xs["n_ckeys"], xs["n_ccis"])
+                                    xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers)
+            if async_copy:
+                # issue layer l+1's copy before this layer's attention and FFN, then wait for
+                # this layer's (started one layer earlier) as late as possible
+                started, q = jax.lax.optimization_barrier((new_pre.cache, q))
+                new_pre = new_pre.replace(cache=started)
+                own = own.replace(cache=_wait_blocks(plan, own, q))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
             own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)
@@ -286,34 +331,40 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
                    selected=jnp.sum(own.ids >= 0))
         return (x, h, new_pre), out
 
-    (x, _, _), ys = jax.lax.scan(body, (x, h0, pre), xs)
+    # unrolled when copies are in flight across layers: a loop carry may be copied by XLA,
+    # and a copy of a buffer the side stream is still writing would read it half-written
+    (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs, unroll=c.num_layers - 1 if async_copy else 1)
+    if async_copy:  # the last layer's prefetch had no tasks; its wait retires the start
+        x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre, x)))
     join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)
     new = state.replace(
         l0=l0, cache=ys["cache"], table=ys["table"], ckeys=jax.tree.map(join, ck0, ys["ckeys"]),
         ccis=None if state.ccis is None else jax.tree.map(join, cc0, ys["ccis"]),
         pk=None if state.pk is None else join(pk0, ys["pk"]))
-    new = _flush_completed(new, pos, bs)
+    new = _flush_completed(plan, new, pos, bs)
     # each layer's copies are counted once, by the iteration that consumes them
     stats = {"copied_blocks": jnp.sum(ys["n_copies"]), "selected_blocks": jnp.sum(ys["selected"])}
     return unembed(params, x, c)[:, 0], new, stats
 
 
-def _flush_completed(state: OffloadState, pos, bs: int) -> OffloadState:
-    """Blocks whose last token was written this step go from their slot to the host."""
+def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> OffloadState:
+    """Blocks whose last token was written this step go from their slot to the host. The CUDA
+    engine writes just those blocks into the pinned pool in place; the reference moves the
+    pool to the device and back."""
     done = (pos % bs) == bs - 1  # [B]
     blk = pos // bs
     slot = jnp.argmax(state.table == blk[None, :, None, None], axis=-1)  # [L-1, B, K]
     l1, b, kh = slot.shape
-    li = jnp.arange(l1)[:, None, None]
-    bi = jnp.arange(b)[None, :, None]
-    hi = jnp.arange(kh)[None, None, :]
-    nb = state.host["k"].shape[3]
-    dst = jnp.where(done, blk, nb)[None, :, None]  # not done: out of range, dropped
+    n_slots, nb = state.table.shape[-1], state.host["k"].shape[3]
+    row = jnp.arange(l1 * b * kh).reshape(l1, b, kh)  # (layer, sequence, KV head)
+    src = jnp.where(done[None, :, None], row * n_slots + slot, -1).reshape(-1).astype(jnp.int32)
+    dst = (row * nb + blk[None, :, None]).reshape(-1).astype(jnp.int32)
     host = {}
     for name, h in state.host.items():
-        d = jax.device_put(h, jax.memory.Space.Device)
-        d = d.at[li, bi, hi, dst].set(state.cache[name][li, bi, hi, slot].astype(d.dtype), mode="drop")
-        host[name] = jax.device_put(d, jax.memory.Space.Host)
+        c = state.cache[name]
+        flat = scatter_blocks(c.reshape(-1, *c.shape[4:]).astype(h.dtype), src, dst, h.reshape(-1, *h.shape[4:]),
+                              num_ctas=plan.num_ctas, implementation=plan.copy_impl)
+        host[name] = flat.reshape(h.shape)
     return state.replace(host=host)
 
 

@@ -38,7 +38,7 @@ def setup_nosa():
     return _make(TINY_NOSA)
 
 
-def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY):
+def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None):
     params, forecast, ig = setup
     b, t0 = 2, 70
     tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
@@ -57,7 +57,8 @@ def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, con
         if resident:
             logits, st = decode_step(params, tok, pos, st, config, mode=selector_of(mode), **kw)
         else:
-            logits, st, stats = engine_decode_step(params, tok, pos, st, config, mode=mode, reuse=reuse, **kw)
+            logits, st, stats = engine_decode_step(params, tok, pos, st, config, mode=mode, reuse=reuse,
+                                                   copy_impl=copy_impl, **kw)
             copied += int(stats["copied_blocks"])
             selected += int(stats["selected_blocks"])
         out.append(logits)
@@ -72,6 +73,17 @@ def test_offload_equals_resident(setup, mode):
     offload, copied, selected = _run(setup, mode)
     np.testing.assert_allclose(offload, resident, atol=2e-5)
     assert 0 < copied < selected  # the cache reused blocks
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sparse", "sparda"])
+def test_cuda_copy_engine_equals_reference_copies(setup, mode):
+    """On the GPU: the UVA gather (asynchronous start/wait in sparda) and the in-place
+    write-back of completed blocks give the reference copy path's logits and counts."""
+    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda")
+    ref, c0, s0 = _run(setup, mode, copy_impl="xla")
+    np.testing.assert_allclose(cuda, ref, atol=2e-5)
+    assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 
 @pytest.mark.parametrize("mode", ["sparse", "sparda"])

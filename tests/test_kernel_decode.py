@@ -80,6 +80,6 @@ def test_dispatch_through_sparse_attention():
     got = sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], implementation="mosaic_gpu_interpret")
     ref = sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], implementation="xla")
     assert _rel(got, ref) < 5e-3  # both bf16 outputs; the kernel also rounds P to bf16
-    with pytest.raises(NotImplementedError, match="decode"):
-        sparse_attention(jnp.concatenate([q[:, None]] * 2, 1), k, v, jnp.concatenate([ids[:, :, None]] * 2, 2),
-                         jnp.stack([pos, pos], 1), implementation="mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="no bias"):  # Tq > 1 goes to the prefill kernel
+        sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], bias=jnp.ones(k.shape[:3]),
+                         implementation="mosaic_gpu")

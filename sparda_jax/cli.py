@@ -175,8 +175,17 @@ def _cmd_bench(args) -> int:
         from .bench.select import main as run
     elif args.name == "attention":
         from .bench.attention import main as run
+    elif args.name in ("decode", "cta"):
+        from .bench.decode import main as run
+    elif args.name == "prefill":
+        from .bench.prefill import main as run
     else:  # argparse restricts the choices
         raise AssertionError(args.name)
+    # defaults per benchmark: decode + prefill + cta together stay within ~7 minutes on the H200
+    if args.budget_s is None:
+        args.budget_s = {"decode": 200.0, "prefill": 130.0, "cta": 90.0}.get(args.name, 140.0)
+    if args.repeats is None:
+        args.repeats = {"decode": 6, "cta": 6}.get(args.name, 3)
     return run(args)
 
 
@@ -274,16 +283,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train)
 
     bn = sub.add_parser("bench", help="efficiency benchmarks (BENCHMARKS.md); JSON under bench/results")
-    bn.add_argument("name", choices=["train", "copy", "select", "attention"])
+    bn.add_argument("name", choices=["train", "copy", "select", "attention", "prefill", "decode", "cta"])
     bn.add_argument("--preset", default="minicpm4.1-8b")
     bn.add_argument("--seq-len", type=int, default=32768)
     bn.add_argument("--micro-batch", type=int, default=1)
     bn.add_argument("--accumulation", type=int, default=1)
     bn.add_argument("--layers", type=int, help="time fewer layers than the preset has (said in the JSON)")
-    bn.add_argument("--repeats", type=int, default=3, help="timed repeats (copy: use ~20)")
+    bn.add_argument("--repeats", type=int, help="timed repeats (default 3; decode/cta: timed decode steps, default 6; "
+                                                "copy: use ~20)")
     bn.add_argument("--pool-mib", type=int, default=2048, help="copy: size of the pinned host pool")
     bn.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32], help="copy: MiB per gather")
-    bn.add_argument("--lengths", type=int, nargs="+", help="select/attention: contexts (default 32768 65536 131072)")
+    bn.add_argument("--lengths", type=int, nargs="+", help="contexts (select/attention/prefill default 32768 65536 "
+                                                           "131072; decode 131072; cta 32768)")
     bn.add_argument("--batch", type=int, help="select/attention: prefill batch (default 4)")
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
@@ -292,8 +303,21 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
     bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")
-    bn.add_argument("--budget-s", type=float, default=140.0,
-                    help="select/attention: skip configurations started after this many seconds")
+    bn.add_argument("--budget-s", type=float,
+                    help="skip configurations started after this many seconds (select/attention 140, decode 200, "
+                         "prefill 130, cta 90)")
+    bn.add_argument("--batches", type=int, nargs="+",
+                    help="decode: batches (default 4 8 16 32); cta: batches (default 16 64); prefill: batch (default 4)")
+    bn.add_argument("--modes", nargs="+", help="decode: engine modes (default dense_resident sparse_resident sparse "
+                                               "infinigen sparda_sync sparda); prefill: dense_resident sparse sparda")
+    bn.add_argument("--ctas", type=int, nargs="+", help="cta: CTA counts (default 8 16 32 64); decode: one fixed count "
+                                                        "(default: the paper's heuristic)")
+    bn.add_argument("--reuse-fractions", type=float, nargs="*",
+                    help="decode: emulated-reuse variants, fraction of rows repeating their step (default 0.5)")
+    bn.add_argument("--real-miss-rate", nargs="+", metavar="[MODE=]RATE",
+                    help="decode: miss rates measured on a real model (one for all offload modes, or MODE=RATE "
+                         "pairs; sparda_sync takes sparda's); adds reuse variants emulating them")
+    bn.add_argument("--real-model", help="decode: measure the real-model miss rate first (e.g. smollm2-135m)")
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")

@@ -79,3 +79,90 @@ def test_select_bench_smoke_on_cpu(tmp_path):
     assert "forecast_xla*" in table(r)
     bad = id_check(np.array([[0, 1, 2, -1]]), np.array([[0, 1, 3, -1]]))
     assert not bad["passed"] and abs(bad["id_agreement"] - 2 / 3) < 1e-9
+
+
+def test_decode_bench_smoke_on_cpu(tmp_path):
+    import json
+
+    from sparda_jax.bench.decode import bench_decode, plot, table
+
+    # tiny: 3 layers (2 timed, scaled to 3), 16-token blocks, topk 4; every system, one batch
+    r = bench_decode("tiny", lengths=(256,), batches=(8,), layers=2, steps=2, warmup=1, reuse_fractions=(0.5,),
+                     real_miss_rates={"sparda": 0.05}, with_ceilings=False, budget_s=None,
+                     out=tmp_path / "decode.json", log=lambda s: None)
+    assert r["complete"] and json.loads((tmp_path / "decode.json").read_text())["complete"]
+    assert r["config"]["layers_timed"] == 2 and r["config"]["scaled_to"] == 3
+    rows = {(x["mode"], x["variant"]): x for x in r["rows"]}
+    for m in ("dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda"):
+        x = rows[(m, "random")]
+        assert x["status"] == "ok" and x["check"]["passed"] and x["feasibility"]["fits"], (m, x.get("status"))
+        assert x["step_seconds_min"] <= x["step_seconds"] <= x["step_seconds_max"]
+        assert abs(x["tokens_per_s"] - 8 / (x["step_seconds"] * 1.5)) < 1e-6 * x["tokens_per_s"]
+        if m not in ("dense_resident", "sparse_resident"):
+            assert x["check"]["counts_ok"] and x["check"]["vs_resident_row0"]["passed"]
+            assert 0 < x["miss_rate"] <= 1 and x["bytes_copied_per_step_scaled"] == 2 * x["bytes_copied_per_step"]
+    # half the rows repeat their step: they copy nothing after step 0, so fewer misses
+    for m in ("sparse", "sparda"):  # the batch-8 claim's pair
+        assert rows[(m, "reuse=0.50")]["miss_rate"] < rows[(m, "random")]["miss_rate"]
+    emulated = [x for x in r["rows"] if x["mode"] == "sparda" and "target_miss_rate" in x]
+    assert emulated and emulated[0]["target_miss_rate"] == 0.05
+    assert r["claims"][0]["claim"].endswith("SparDA / Sparse tokens/s") and r["claims"][0]["value"] > 0
+    assert r["best_feasible"]["256"]["sparda"]["batch"] == 8
+    assert "| SparDA | 256 | 8 | random |" in table(r)
+    out = plot(tmp_path / "decode.json")
+    assert out is None or out.endswith("decode.png")
+
+
+def test_decode_bench_reports_what_does_not_fit():
+    from sparda_jax.bench.engine_state import bench_config, feasibility, weights_bytes
+
+    _, full = bench_config("minicpm4.1-8b", 4)
+    w = weights_bytes(full)
+    host, dev = 128 * 2**30, 141 * 10**9  # the H200 machine
+    f16 = feasibility(full, "sparda", batch=16, context=131072, weights=w, host_bytes=host, device_bytes=dev)
+    f32 = feasibility(full, "sparda", batch=32, context=131072, weights=w, host_bytes=host, device_bytes=dev)
+    assert f16["fits"] and 60e9 < f16["host_need_bytes"] < 75e9  # BENCHMARKS.md: ~69 GB
+    assert not f32["fits"] and "host needs" in f32["reason"]
+    dense = feasibility(full, "dense_resident", batch=32, context=131072, weights=w, host_bytes=host, device_bytes=dev)
+    assert not dense["fits"] and "device needs" in dense["reason"]
+
+
+def test_cta_bench_smoke_on_cpu(tmp_path):
+    from sparda_jax.bench.decode import bench_cta, cta_table
+
+    r = bench_cta("tiny", context=256, batches=(4,), ctas=(8,), layers=None, steps=2, warmup=1, budget_s=None,
+                  out=tmp_path / "cta.json", log=lambda s: None)
+    assert r["complete"] and [x["num_ctas"] for x in r["rows"]] == [16, 8]  # the heuristic's count first
+    assert all(x["status"] == "ok" and x["check"]["passed"] for x in r["rows"]) and r["rows"][0]["heuristic"]
+    cl = r["claims"][0]
+    assert cl["heuristic_ctas"] == 16 and 0 < cl["value"] <= 1
+    assert "| 4 | 16 | yes |" in cta_table(r)
+
+
+def test_prefill_bench_smoke_on_cpu(tmp_path):
+    from sparda_jax.bench.prefill import bench_prefill, table
+
+    r = bench_prefill("tiny", lengths=(256,), batch=2, layers=2, repeats=2, budget_s=None, out=tmp_path / "p.json",
+                      log=lambda s: None)
+    assert r["complete"] and r["config"]["layers_timed"] == 2 and r["config"]["scaled_to"] == 3
+    by = {x["mode"]: x for x in r["rows"]}
+    for m in ("dense_resident", "sparse", "sparda"):
+        x = by[m]
+        assert x["status"] == "ok" and x["check"]["small"]["passed"] and x["check"]["finite"]["passed"]
+        assert abs(x["tokens_per_s"] - 2 * 256 / (x["seconds"] * 1.5)) < 1e-6 * x["tokens_per_s"]
+    assert {c["claim"].split(": ")[1] for c in r["claims"]} == {"SparDA / Sparse tokens/s", "SparDA / Dense+ tokens/s"}
+    assert "| SparDA | 256 | 2 | xla |" in table(r)
+
+
+def test_cli_knows_the_engine_benchmarks():
+    from sparda_jax.cli import build_parser
+
+    a = build_parser().parse_args(["bench", "decode", "--lengths", "131072", "--batches", "8", "16", "--layers", "4",
+                                   "--budget-s", "100", "--out", "x.json", "--real-miss-rate", "sparse=0.13", "sparda=0.09"])
+    assert a.name == "decode" and a.batches == [8, 16] and a.repeats is None
+    from sparda_jax.bench.decode import _parse_real
+
+    assert _parse_real(a.real_miss_rate) == {"sparse": 0.13, "sparda": 0.09, "sparda_sync": 0.09}
+    assert _parse_real(["0.2"])["infinigen"] == 0.2 and _parse_real(None) is None
+    for name in ("prefill", "cta"):
+        assert build_parser().parse_args(["bench", name]).name == name

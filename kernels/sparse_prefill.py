@@ -12,16 +12,22 @@ optional per-key logit bias (NOSA's cis). Design (docs/mosaic-gpu-notes.md secti
   union entry carries an int32 of selection bits (bit i: token i of the tile picked the block),
   so the mask is built in registers from two scalars and an iota, never read from memory.
 - **Two variants.** "ws" (FA3 structure): 2 compute warpgroups (128 rows) + 1 TMA warpgroup,
-  `emit_pipeline_warp_specialized` over a traced trip count |union|. "simple": one warpgroup of
+  `emit_pipeline_warp_specialized` over a traced trip count |union|; a compute warpgroup skips
+  the wgmmas of blocks that none of its own tokens picked. "simple": one warpgroup of
   64 rows, K/V double-buffered by TMA in a fori_loop (the decode kernel's structure); half the
   tile, hence a smaller union, and no warp-specialization machinery.
 - Online softmax in the log2 domain with f32 state; P is rounded to q.dtype for the PV wgmma.
 
 Verification status: both variants ran in Mosaic GPU interpret mode on the CPU against
-`sparse_prefill_attention_reference` (tests/test_kernel_prefill.py) and pass the CPU lowering
-check for sm_90. **Not yet run on hardware**: ptxas, register pressure, races/deadlocks on a real
-GPU, and speed are unchecked. The efficiency depends on the union size (`union_stats`): the kernel
-computes tile_rows x |union| x 64 logits per tile, of which only the selected ones are useful.
+`sparse_prefill_attention_reference` (tests/test_kernel_prefill.py; also under the race
+detector) in their interpret form (P through SMEM, accumulator not updated in place), and their
+compiled form passes the CPU lowering check for sm_90. **Not yet run on hardware**: ptxas, register pressure, races/deadlocks on a real
+GPU, and speed are unchecked. The efficiency depends on the union size (`union_stats`): a
+warpgroup computes 64 rows x |its union| x 64 logits, of which only the selected ones are useful.
+With MiniCPM's policy (96 blocks, 34 forced) on RANDOM q/k at 32K tokens the union is 2-2.5x
+the 87 blocks a token selects ("ws": 215 loaded / 168 computed per tile; "simple": 168); with
+neighbouring queries correlated (a random walk) it is within 2% of it. Real model selections
+are not measured yet.
 
 bf16/f16 only (wgmma operands; f32 is a TypeError so callers can fall back), head dim a
 multiple of 64 (128-byte swizzle), 64-token blocks.
@@ -29,7 +35,6 @@ multiple of 64 (128-byte swizzle), 64-token blocks.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Literal, NamedTuple
 
@@ -44,6 +49,9 @@ __all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "bu
 
 # Interpret mode (CPU). It does not support wgmma with A from registers nor in-place
 # accumulation (pl.run_state), so the kernel has switches for those two; both forms lower.
+# The "ws" variant's 3 simulated warpgroups block inside XLA host callbacks: on a CPU client
+# with a small thread pool they can deadlock; set PJRT_NPROC=8 (and, belt and braces,
+# jax_cpu_enable_async_dispatch=False) before the first computation (tests/test_kernel_prefill.py).
 INTERPRET = plgpu.InterpretGPUParams()
 
 BS = 64                       # tokens per KV block
@@ -123,17 +131,23 @@ def build_prefill_meta(block_ids, tile_tokens: int, n_blocks: int | None = None)
 
 def union_stats(block_ids, g: int, variant: Variant = "ws") -> dict:
     """How much of the kernel's work is useful, for the benchmark. block_ids [B, K, T, n].
-    mean_union: mean |union| per tile; mean_selected: mean blocks per token; efficiency:
-    mean_selected / mean_union (1.0 when the tile's tokens all pick the same blocks), ignoring
-    the padded rows of the group (G / padded_group(G)) and causal masking inside blocks."""
-    tt = tile_tokens_for(g, variant)
+
+    mean_union: blocks a CTA tile loads (mean |union| over tiles of tile_tokens tokens);
+    mean_compute_union: blocks a 64-row warpgroup computes (its own tokens' union: the "ws"
+    variant skips blocks only the other warpgroup picked); mean_selected: blocks per token;
+    load_efficiency / compute_efficiency: mean_selected over those (1.0 when neighbouring
+    tokens pick the same blocks); row_fill: G / padded group (idle rows). Causal masking
+    inside blocks is not counted.
+    """
+    tt, wt = tile_tokens_for(g, variant), ROWS // padded_group(g)
     ids = _pad_tokens(jnp.asarray(block_ids, jnp.int32), tt)
-    meta = build_prefill_meta(ids, tt)
-    sel = jnp.sum(ids >= 0, axis=-1).astype(jnp.float32)
-    mean_union = float(jnp.mean(meta.n_union.astype(jnp.float32)))
-    mean_sel = float(jnp.mean(sel))
-    return dict(tile_tokens=tt, mean_union=mean_union, mean_selected=mean_sel,
-                efficiency=mean_sel / max(mean_union, 1e-9), row_fill=g / padded_group(g))
+    n_sel = jnp.sum(ids >= 0, axis=-1).astype(jnp.float32)
+    mean_sel = float(jnp.mean(n_sel))
+    union = float(jnp.mean(build_prefill_meta(ids, tt).n_union.astype(jnp.float32)))
+    compute = float(jnp.mean(build_prefill_meta(ids, wt).n_union.astype(jnp.float32)))
+    return dict(tile_tokens=tt, mean_union=union, mean_compute_union=compute, mean_selected=mean_sel,
+                load_efficiency=mean_sel / max(union, 1e-9), compute_efficiency=mean_sel / max(compute, 1e-9),
+                row_fill=g / padded_group(g))
 
 
 def _pad_tokens(ids, tt):
@@ -215,7 +229,8 @@ def _normalize(acc, l_i, dtype):
     return (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
 
 
-def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret):
+def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret, stages,
+                skip_empty=True):
     """FA3 structure: 2 compute warpgroups x 64 rows + 1 TMA warpgroup per CTA."""
     b_, kh, _, d = q_r.shape
     nt = meta.n_union.shape[2]
@@ -253,17 +268,35 @@ def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, i
                 k_smem, v_smem, k_done, v_done, carry = args
             acc, m_i, l_i, tok_tile, rpos = carry
             blk, bits = uid_ref[b, h, tt, j], ubit_ref[b, h, tt, j]
-            qk = _qk(qo2.at[wg], k_smem)
-            plgpu.barrier_arrive(k_done)                    # the TMA warpgroup may refill K's slot
-            bias_col = None
-            if has_bias:
-                bias_col = plgpu.load(b_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-                plgpu.barrier_arrive(b_done)
-            p, (acc, m_i, l_i) = _softmax_step(qk, blk, bits, tok_tile, rpos, bias_col,
-                                               (acc, m_i, l_i), scale_log2)
-            acc = _pv(acc, p, v_smem, p2.at[wg], p_via_smem=p_via_smem, acc_in_place=acc_in_place,
-                      dtype=dtype)
-            plgpu.barrier_arrive(v_done)
+
+            def attend(acc, m_i, l_i):
+                qk = _qk(qo2.at[wg], k_smem)
+                plgpu.barrier_arrive(k_done)                # the TMA warpgroup may refill K's slot
+                bias_col = None
+                if has_bias:
+                    bias_col = plgpu.load(b_smem, layout=plgpu.Layout.WGMMA.reduce(0))
+                    plgpu.barrier_arrive(b_done)
+                p, (acc, m_i, l_i) = _softmax_step(qk, blk, bits, tok_tile, rpos, bias_col,
+                                                   (acc, m_i, l_i), scale_log2)
+                acc = _pv(acc, p, v_smem, p2.at[wg], p_via_smem=p_via_smem,
+                          acc_in_place=acc_in_place, dtype=dtype)
+                plgpu.barrier_arrive(v_done)
+                return acc, m_i, l_i
+
+            def skip(acc, m_i, l_i):                        # every WG arrives at every step
+                plgpu.barrier_arrive(k_done)
+                if has_bias:
+                    plgpu.barrier_arrive(b_done)
+                plgpu.barrier_arrive(v_done)
+                return acc, m_i, l_i
+
+            if skip_empty:
+                # The tile's union holds blocks that only the other WG's tokens picked: this WG
+                # skips their tensor-core work, so its compute follows its own 64-row union.
+                mine = lax.shift_right_logical(bits, wg * wg_tok) & ((1 << wg_tok) - 1)
+                acc, m_i, l_i = lax.cond(mine != 0, attend, skip, acc, m_i, l_i)
+            else:
+                acc, m_i, l_i = attend(acc, m_i, l_i)
             return acc, m_i, l_i, tok_tile, rpos
 
         uid_of = lambda j: jnp.maximum(uid_ref[b, h, tt, j], 0)
@@ -276,7 +309,7 @@ def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, i
         pipeline = plgpu.emit_pipeline_warp_specialized(
             step,
             grid=(nu_ref[b, h, tt],),                       # traced: this tile's |union|
-            max_concurrent_steps=2,
+            max_concurrent_steps=stages,                     # K/V slots in flight
             num_compute_wgs=2,
             memory_registers=40,
             wg_axis="wg",
@@ -302,7 +335,7 @@ def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, i
     )(*args)
 
 
-def _prefill_simple(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret):
+def _prefill_simple(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret, stages):
     """One warpgroup of 64 rows per CTA; K/V (and bias) double-buffered by TMA in a fori_loop."""
     b_, kh, _, d = q_r.shape
     nt = meta.n_union.shape[2]
@@ -410,7 +443,8 @@ def _check(q, k, v, block_ids, q_positions, bias):
 
 def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
                              variant: Variant = "ws", meta: PrefillMeta | None = None,
-                             p_via_smem: bool | None = None, acc_in_place: bool | None = None):
+                             p_via_smem: bool | None = None, acc_in_place: bool | None = None,
+                             stages: int = 2):
     """q [B, T, H, D]; k, v [B, S, K, D]; block_ids int [B, K, T, n] (64-token blocks; -1 =
     none); q_positions int [B, T]; bias optional float [B, S, K] added to each key's logit.
     -> [B, T, H, D] in q.dtype; a query with no visible key gets zeros.
@@ -420,10 +454,13 @@ def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, inte
     meta: a precomputed `build_prefill_meta(block_ids padded to the tile, tile_tokens_for(G,
     variant), n_blocks)` (layers that share a selection can reuse it).
     p_via_smem / acc_in_place default to what the mode supports (interpret: True / False).
+    stages: K/V buffers in flight in the "ws" pipeline (>= 2; "simple" always double-buffers).
     """
     _check(q, k, v, block_ids, q_positions, bias)
     if variant not in ("ws", "simple"):
         raise ValueError(f"unknown variant {variant!r}; 'ws' or 'simple'")
+    if stages < 2 or (variant == "simple" and stages != 2):
+        raise ValueError(f"stages must be >= 2 (and 2 for the 'simple' variant), got {stages}")
     if interpret is True:
         interpret = INTERPRET
     if p_via_smem is None:
@@ -454,14 +491,14 @@ def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, inte
         bias_r = jnp.transpose(bias.astype(jnp.float32) * LOG2E, (0, 2, 1))
     fn = _prefill_ws if variant == "ws" else _prefill_simple
     o_r = fn(q_r, k, v, bias_r, meta, pos, gp=gp, p_via_smem=p_via_smem, acc_in_place=acc_in_place,
-             interpret=interpret)
+             interpret=interpret, stages=stages)
     o = o_r.reshape(b, kh, tp, gp, d)[:, :, :t, :g].transpose(0, 2, 1, 3, 4)
     return o.reshape(b, t, h, d)
 
 
 def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
                                        variant: Variant = "ws", meta=None, p_via_smem=None,
-                                       acc_in_place=None):
+                                       acc_in_place=None, stages=2):
     """The plain-jnp reference with the kernel's signature (the kernel-only options are ignored)."""
     from sparda_jax.attention import sparse_attention_reference
 

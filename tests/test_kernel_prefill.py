@@ -30,7 +30,8 @@ _needs_fresh_client = pytest.mark.skipif(not _WS_INTERPRET_SAFE, reason=(
     "kernel may deadlock; run this file on its own"))
 
 from sparda_jax.kernels.sparse_prefill import (INTERPRET, build_prefill_meta, sparse_prefill_attention,
-                                               sparse_prefill_attention_reference, union_stats)
+                                               sparse_prefill_attention_reference, tile_tokens_for,
+                                               union_stats)
 
 
 def _ids(rng, pos, kh, n, drop_own=()):
@@ -61,6 +62,10 @@ def _case(seed, g, d, dtype, *, kh=2, b=2, t=100, s=300, n=5, bias=False):
     ids = _ids(rng, pos, kh, n, drop_own=(3,))   # token 3 sees nothing: its output must be 0
     cis = jnp.asarray(rng.standard_normal((b, s, kh)), jnp.float32) if bias else None
     return q, k, v, jnp.asarray(ids), jnp.asarray(pos), cis
+
+
+def _pad(ids, tt):
+    return jnp.pad(ids, ((0, 0), (0, 0), (0, -ids.shape[2] % tt), (0, 0)), constant_values=-1)
 
 
 def _rel(a, ref):
@@ -106,11 +111,14 @@ def test_union_stats():
     pos = np.broadcast_to(np.arange(256, dtype=np.int32), (1, 256))
     same = np.broadcast_to(np.array([0, 1, -1], np.int32), (1, 2, 256, 3))
     st = union_stats(same, 16, "ws")                                 # every token picks {0, 1}
-    assert st["tile_tokens"] == 8 and st["mean_union"] == 2.0 and st["efficiency"] == 1.0
+    assert st["tile_tokens"] == 8 and st["mean_union"] == 2.0 and st["compute_efficiency"] == 1.0
     ids = _ids(np.random.default_rng(0), pos, 2, 4)
-    st = union_stats(ids, 3, "simple")                               # G=3 -> 4 rows per token, 16 tokens
-    ref = np.mean([len(u) for _, u, _ in _numpy_union(ids, 16)])
-    assert st["tile_tokens"] == 16 and st["mean_union"] == pytest.approx(ref) and st["row_fill"] == 0.75
+    st = union_stats(ids, 3, "ws")                                   # G=3 -> 4 rows per token
+    union = lambda tt: np.mean([len(u) for _, u, _ in _numpy_union(ids, tt)])
+    assert st["tile_tokens"] == 32 and st["row_fill"] == 0.75
+    assert st["mean_union"] == pytest.approx(union(32))              # loaded: the CTA's 32 tokens
+    assert st["mean_compute_union"] == pytest.approx(union(16))      # computed: one WG's 16 tokens
+    assert st["mean_selected"] == pytest.approx(np.mean(np.sum(ids >= 0, -1)))
 
 
 def _check_against_reference(out, q, k, v, ids, pos, cis):
@@ -140,6 +148,10 @@ def test_interpret_matches_reference(variant, g, d, dtype, bias):
     out = f(q, k, v, ids, pos, bias=cis)
     _check_against_reference(out, q, k, v, ids, pos, cis)
     assert (np.asarray(out[:, 3], np.float32) == 0).all()          # token 3 selected nothing
+    if variant == "ws":                                             # the case exercises the WG skip
+        wt = tile_tokens_for(g, "ws") // 2
+        bits = np.asarray(build_prefill_meta(_pad(ids, 2 * wt), 2 * wt).ubits).view(np.uint32)
+        assert ((bits != 0) & ((bits & ((1 << wt) - 1) == 0) | (bits >> wt == 0))).any()
 
 
 @_needs_fresh_client
@@ -156,28 +168,28 @@ def test_interpret_causal_prefill_from_position_zero():
     _check_against_reference(out, q, k, v, ids, jnp.asarray(pos), None)
 
 
-@pytest.mark.parametrize("variant", [pytest.param("ws", marks=_needs_fresh_client), "simple"])
-def test_interpret_race_detector_finds_nothing(variant):
-    """The barrier protocol (TMA warpgroup <-> 2 compute warpgroups, or the double buffer)
-    under the interpreter's race detector."""
+@pytest.mark.parametrize("variant,stages", [pytest.param("ws", 3, marks=_needs_fresh_client), ("simple", 2)])
+def test_interpret_race_detector_finds_nothing(variant, stages):
+    """The barrier protocol (TMA warpgroup <-> 2 compute warpgroups over 3 slots, or the
+    double buffer) under the interpreter's race detector."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     q, k, v, ids, pos, cis = _case(1, 16, 64, jnp.bfloat16, b=1, t=24, s=200, n=3, bias=True)
-    f = functools.partial(sparse_prefill_attention, variant=variant,
+    f = functools.partial(sparse_prefill_attention, variant=variant, stages=stages,
                           interpret=plgpu.InterpretGPUParams(detect_races=True))
     out = jax.jit(f)(q, k, v, ids, pos, bias=cis)
     assert not gpu_callbacks.get_races().races_found
     _check_against_reference(out, q, k, v, ids, pos, cis)
 
 
-@pytest.mark.parametrize("variant", ["ws", "simple"])
-def test_gpu_variant_lowers_for_hopper(variant):
+@pytest.mark.parametrize("variant,stages", [("ws", 2), ("ws", 4), ("simple", 2)])
+def test_gpu_variant_lowers_for_hopper(variant, stages):
     """The compiled form (P from registers, accumulator in place) through the Mosaic GPU
     lowering for sm_90 on the CPU: layouts, TMA shapes, wgmma rules, the SMEM budget."""
     for g, d, dtype, bias in ((16, 128, jnp.bfloat16, True), (3, 64, jnp.float16, False)):
         q, k, v, ids, pos, cis = _case(0, g, d, dtype, bias=bias, t=70, s=256, n=3)
-        jax.jit(functools.partial(sparse_prefill_attention, variant=variant)).trace(
+        jax.jit(functools.partial(sparse_prefill_attention, variant=variant, stages=stages)).trace(
             q, k, v, ids, pos, bias=cis).lower(lowering_platforms=("cuda",))
 
 

@@ -169,7 +169,7 @@ class LayerView(NamedTuple):
 
 @functools.partial(jax.jit, static_argnames=("plan", "return_kv", "return_q", "tap", "return_logits"))
 def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: bool, return_q: bool, tap=None,
-             return_logits: bool = True):
+             return_logits: bool = True, logits_at=None):
     c = plan.config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -215,6 +215,8 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
 
     first = jnp.arange(c.num_layers) == 0
     (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (lps, sels, igs, first))
+    if logits_at is not None:  # only these rows reach the LM head ([B, T, vocab] is huge at long T)
+        x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
     return (unembed(params, x, c) if return_logits else None), aux
 
 
@@ -226,7 +228,7 @@ def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect):
 def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", forecast=None, infinigen=None,
             dtype=jnp.float32, dense_impl: str | None = None, sparse_impl: str | None = None,
             return_kv: bool = False, return_q: bool = False, collect_selection: bool = False, tap=None,
-            return_logits: bool = True):
+            return_logits: bool = True, logits_at=None):
     """Prefill-style forward over whole sequences from position 0 in any mode.
 
     tokens int [B, T] -> float32 logits [B, T, vocab], and with return_kv / collect_selection
@@ -234,14 +236,16 @@ def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", foreca
     [L, B, T, K]); q [L, B, T, H, Dh] (post-RoPE queries); ids, oracle [L, B, K, T, topk]
     (the mode's selection and the InfLLM-V2 selection from the layer's true queries).
     tap: a hashable function of a `LayerView` whose per-layer outputs come back stacked as
-    aux["tap"] (the Forecast's training loss is one); return_logits=False skips the LM head.
+    aux["tap"] (the Forecast's training loss is one); return_logits=False skips the LM head;
+    logits_at int [B, n] computes logits only at those positions ([B, n, vocab]).
     """
     _validate(config, mode, forecast, infinigen)
     tokens = jnp.asarray(tokens)
     check_tokens(tokens, None)
     plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection)
     logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv,
-                           return_q=return_q, tap=tap, return_logits=return_logits)
+                           return_q=return_q, tap=tap, return_logits=return_logits,
+                           logits_at=None if logits_at is None else jnp.asarray(logits_at, jnp.int32))
     if return_kv or return_q or collect_selection or tap is not None:
         return logits, aux
     return logits
@@ -299,10 +303,10 @@ def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mo
     """
     if cache_size < tokens.shape[1]:
         raise ValueError(f"cache_size ({cache_size}) < prompt length ({tokens.shape[1]})")
-    logits, aux = forward(params, tokens, config, mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype,
-                          dense_impl=dense_impl, sparse_impl=sparse_impl, return_kv=True)
     lengths = jnp.asarray(lengths, jnp.int32)
-    last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+    logits, aux = forward(params, tokens, config, mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype,
+                          dense_impl=dense_impl, sparse_impl=sparse_impl, return_kv=True, logits_at=(lengths - 1)[:, None])
+    last = logits[:, 0]
     state = _build_state(config, aux, lengths, cache_size, infinigen if mode == "infinigen" else None,
                          mode != "dense")
     return last, state

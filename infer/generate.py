@@ -62,18 +62,20 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
              *, stop_ids: Sequence[int] = (), dtype=jnp.float32, mode: str = "dense", forecast=None,
              infinigen=None, system: str | None = None, reuse: bool = True, return_stats: bool = False,
-             on_step: Callable[[list[list[int]]], None] | None = None):
+             on_step: Callable[[list[list[int]]], None] | None = None, pad_to: int | None = None):
     """Generate for a batch of token-id prompts; returns the new tokens of each (stop token
     excluded), and with return_stats a dict of engine counters.
 
     mode: an attention mode of `sparda_jax.MODES`, all KV on the device. system: instead, one
     of the engine's systems (`infer.engine.ENGINE_MODES`: dense_resident, sparse_resident,
     sparse, infinigen, sparda_sync, sparda), where the offload systems keep the KV of layers
-    1..L-1 in host memory. `on_step(generated)` is called after every step."""
+    1..L-1 in host memory. `on_step(generated)` is called after every step. pad_to: pad the
+    prompts to at least this many tokens, so that batches of different prompt lengths share
+    one compiled prefill and decode step."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     lengths = np.array([len(p) for p in prompts], np.int32)
-    t_pad = -(-int(lengths.max()) // PAD_MULTIPLE) * PAD_MULTIPLE
+    t_pad = -(-max(int(lengths.max()), pad_to or 0) // PAD_MULTIPLE) * PAD_MULTIPLE
     cache_size = t_pad + sampling.max_new_tokens
     if cache_size > config.max_position_embeddings:
         raise ValueError(f"prompt ({lengths.max()} tokens, padded to {t_pad}) + max_new_tokens "

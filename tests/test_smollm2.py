@@ -129,6 +129,8 @@ def test_batched_generation_matches_single(smollm2):
     together = generate(smollm2.params, smollm2.config, prompts, cfg)
     alone = [generate(smollm2.params, smollm2.config, [p], cfg)[0] for p in prompts]
     assert together == alone
+    # extra padding (one compiled shape for batches of different lengths) changes nothing
+    assert generate(smollm2.params, smollm2.config, prompts, cfg, pad_to=200) == together
 
 
 def test_sampling_is_seeded(smollm2):

@@ -22,7 +22,8 @@
 //   pool   [n_pool, block_bytes]   host (pinned), any dtype, viewed as bytes
 //   src    int32 [n]               source block per task (< 0: no task)
 //   dst    int32 [n]               destination block per task
-//   cache  [n_slots, block_bytes]  device, aliased to the output (updated in place)
+//   cache  [n_slots, block_bytes]  device, aliased to the output (updated in place; if XLA
+//                                  hands over a separate output buffer, it starts as a copy)
 
 #include <cstdint>
 #include <mutex>
@@ -61,6 +62,15 @@ static ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+// The output should be the input's buffer (input_output_aliases), but XLA may hand over two
+// buffers (seen on the H200 inside the engine's jit): then the output starts as a copy of the input.
+static ffi::Error alias_or_copy(cudaStream_t stream, const void* in, void* out, size_t bytes) {
+  if (in == out) return ffi::Error::Success();
+  const cudaError_t err = cudaMemcpyAsync(out, in, bytes, cudaMemcpyDefault, stream);
+  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+  return ffi::Error::Success();
+}
+
 // Validates one copy from `from` (n_from blocks) into `to` (n_to blocks) and launches it.
 static int copy_grid(int64_t n, int32_t num_ctas) {
   return static_cast<int>(num_ctas < 1 ? 1 : (num_ctas > n ? n : num_ctas));
@@ -95,9 +105,8 @@ static ffi::Error launch_copy(cudaStream_t stream, const void* from, size_t from
 static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
                                    ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
                                    ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes) {
-  if (cache_in.untyped_data() != cache_out->untyped_data()) {
-    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
-  }
+  ffi::Error e = alias_or_copy(stream, cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+  if (e.failure()) return e;
   return launch_copy(stream, pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
                      cache_out->size_bytes(), num_ctas, block_bytes);
 }
@@ -183,9 +192,9 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi:
                                   ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
                                   ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes,
                                   int32_t resident) {
-  if (cache_in.untyped_data() != cache_out->untyped_data()) {
-    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
-  }
+  // before `ready` is recorded, so the side stream writes into the completed copy
+  ffi::Error e0 = alias_or_copy(stream, cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+  if (e0.failure()) return e0;
   std::lock_guard<std::mutex> lock(g_mu);
   SideStream* s = nullptr;
   cudaError_t err = side_stream(&s);
@@ -236,21 +245,19 @@ static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::AnyBuffer cache_in, f
                                  ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                  ffi::Result<ffi::AnyBuffer> cache_out) {
   (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
-  if (cache_in.untyped_data() != cache_out->untyped_data()) {
-    return ffi::Error::InvalidArgument("the cache must be aliased to the output (input_output_aliases)");
-  }
   std::lock_guard<std::mutex> lock(g_mu);
   SideStream* s = nullptr;
   cudaError_t err = side_stream(&s);
   if (err != cudaSuccess) return cuda_error("side stream", err);
-  const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(cache_out->untyped_data()));
+  // the start's output is this call's input
+  const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(cache_in.untyped_data()));
   if (it == s->in_flight.end()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
   }
   if ((err = cudaStreamWaitEvent(stream, it->second, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(it->second);
   s->in_flight.erase(it);
-  return ffi::Error::Success();
+  return alias_or_copy(stream, cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
@@ -267,9 +274,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
 static ffi::Error ScatterBlocksImpl(cudaStream_t stream, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> src,
                                     ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_in,
                                     ffi::Result<ffi::AnyBuffer> pool_out, int32_t num_ctas, int64_t block_bytes) {
-  if (pool_in.untyped_data() != pool_out->untyped_data()) {
-    return ffi::Error::InvalidArgument("the pool must be aliased to the output (input_output_aliases)");
-  }
+  // unaliased (not seen so far): correct but slow, the whole pool crosses PCIe twice
+  ffi::Error e = alias_or_copy(stream, pool_in.untyped_data(), pool_out->untyped_data(), pool_out->size_bytes());
+  if (e.failure()) return e;
   return launch_copy(stream, cache.untyped_data(), cache.size_bytes(), src, dst, pool_out->untyped_data(),
                      pool_out->size_bytes(), num_ctas, block_bytes);
 }

@@ -27,13 +27,15 @@ from __future__ import annotations
 import functools
 import sys
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.attention import (dense_attention, dense_attention_reference, sparse_attention,
                                   sparse_attention_reference)
-from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_check, unavailable, write_json
+from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_check, unavailable, write_json, claim_lines, pyplot_and_result
 from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
@@ -435,8 +437,7 @@ def table(r: dict) -> str:
         if "union_mean_tile8" in cs:
             lines.append(f"prefill T={cs['T']}: mean union of blocks over 8-token tiles {cs['union_mean_tile8']:.0f} "
                          f"(topk {r['config']['topk']})")
-    for cl in r["claims"]:
-        lines.append(f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})")
+    lines += claim_lines(r)
     for s in r["skipped"]:
         lines.append(f"skipped {s['phase']} T={s['T']} B={s['batch']}: {s['reason'][:80]}")
     lines.append("* timed on a query slice and scaled (JSON: timed_queries, scale)")
@@ -445,16 +446,9 @@ def table(r: dict) -> str:
 
 def plot(json_path) -> str | None:
     """bench/results/attention.png from the JSON; None when matplotlib is missing."""
-    import json
-    from pathlib import Path
-
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt, r = pyplot_and_result(json_path)
+    if plt is None:
         return None
-    r = json.loads(Path(json_path).read_text())
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     names = sorted({n for cs in r["prefill"] for n in cs["variants"]})
     for n in names:

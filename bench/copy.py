@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.envinfo import environment
-from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_reference, gather_blocks_start,
+from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_start,
                                             gather_blocks_wait, scatter_blocks, scatter_blocks_reference)
 
 __all__ = ["bench_copy"]

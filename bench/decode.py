@@ -36,13 +36,15 @@ from __future__ import annotations
 import sys
 import time
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, build_state, feasibility, kwargs_for,
                                            make_extras, make_params, row_tokens, weights_bytes)
-from sparda_jax.bench.timing import Budget, ceilings, rel_check, unavailable, write_json
+from sparda_jax.bench.timing import Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import OFFLOAD_MODES, RESIDENT_MODES, engine_decode_step, selector_of
 from sparda_jax.modes import decode_step
@@ -489,8 +491,7 @@ def table(r: dict) -> str:
                                             x["batch"], str(x.get("variant"))))
     for x in rows:
         lines.append(_fmt_row({**x, "system": LABELS.get(x["mode"], x["mode"])}, cols))
-    for cl in r["claims"]:
-        lines.append(f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})")
+    lines += claim_lines(r)
     for t, bm in r.get("best_feasible", {}).items():
         lines.append(f"best feasible T={t}: " + ", ".join(f"{LABELS.get(m, m)} B={v['batch']} {v['tokens_per_s']:.1f} tok/s"
                                                           for m, v in bm.items()))
@@ -508,8 +509,7 @@ def cta_table(r: dict) -> str:
         lines.append(f"| {x['batch']} | {x['num_ctas']} | {'yes' if x['heuristic'] else ''} | {x['tokens_per_s']:.1f} | "
                      f"{x['step_seconds_scaled'] * 1e3:.1f} | {x['miss_rate']:.3f} | "
                      f"{'ok' if x['check']['passed'] else 'FAIL'} |")
-    for cl in r["claims"]:
-        lines.append(f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})")
+    lines += claim_lines(r)
     c = r["config"]
     lines.append(f"{c['mode']}, T={c['T']}; {c['layers_timed']} of {c['scaled_to']} layers timed and scaled")
     return "\n".join(lines)
@@ -517,16 +517,9 @@ def cta_table(r: dict) -> str:
 
 def plot(json_path) -> str | None:
     """decode.png (tokens/s vs batch per system) or cta.png from the JSON; None without matplotlib."""
-    import json
-    from pathlib import Path
-
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt, r = pyplot_and_result(json_path)
+    if plt is None:
         return None
-    r = json.loads(Path(json_path).read_text())
     fig, ax = plt.subplots(figsize=(6, 4))
     ok = [x for x in r["rows"] if x.get("status") == "ok"]
     if r["name"] == "cta":

@@ -24,12 +24,13 @@ from __future__ import annotations
 
 import sys
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from sparda_jax.bench.engine_state import BF16, bench_config, kwargs_for, make_extras, make_params
-from sparda_jax.bench.timing import Budget, measure, rel_check, unavailable, write_json
+from sparda_jax.bench.timing import Budget, measure, rel_check, unavailable, write_json, claim_lines, pyplot_and_result
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import selector_of
 from sparda_jax.modes import forward
@@ -166,24 +167,16 @@ def table(r: dict) -> str:
         lines.append(f"| {x['system']} | {x['T']} | {x['batch']} | {impl} | {x['tokens_per_s']:.0f} | "
                      f"{x['seconds_scaled']:.2f} [{x['seconds_min'] * s:.2f}-{x['seconds_max'] * s:.2f}] | "
                      f"{'ok' if x['status'] == 'ok' else 'FAIL'} |")
-    for cl in r["claims"]:
-        lines.append(f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})")
+    lines += claim_lines(r)
     c = r["config"]
     lines.append(f"{c['layers_timed']} of {c['scaled_to']} layers timed, scaled; selection: XLA selectors")
     return "\n".join(lines)
 
 
 def plot(json_path) -> str | None:
-    import json
-    from pathlib import Path
-
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt, r = pyplot_and_result(json_path)
+    if plt is None:
         return None
-    r = json.loads(Path(json_path).read_text())
     fig, ax = plt.subplots(figsize=(6, 4))
     for m in SYSTEMS:
         pts = sorted((x["T"], x["tokens_per_s"]) for x in r["rows"] if x["mode"] == m and x.get("status") == "ok")

@@ -25,12 +25,14 @@ from __future__ import annotations
 import functools
 import sys
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.bench.attention import decode_case, model_shape, prefill_case, _shape_json
-from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, unavailable, write_json
+from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, unavailable, write_json, claim_lines, pyplot_and_result
 from sparda_jax.compress import compress_keys, num_chunks
 from sparda_jax.envinfo import environment
 from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
@@ -333,8 +335,7 @@ def table(r: dict) -> str:
         if c.get("attention_seconds_layer"):
             lines.append(f"| {c['phase']} | {c['T']} | {c['batch']} | attention:{c['attention_variant']} | "
                          f"{c['attention_seconds_layer'] * 1e3:.4g} | | |")
-    for cl in r["claims"]:
-        lines.append(f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})")
+    lines += claim_lines(r)
     for s in r["skipped"]:
         lines.append(f"skipped {s['phase']} T={s['T']} B={s['batch']}: {s['reason'][:80]}")
     lines.append("* timed on a query slice and scaled (JSON: timed_queries, scale)")
@@ -343,16 +344,9 @@ def table(r: dict) -> str:
 
 def plot(json_path) -> str | None:
     """bench/results/select.png from the JSON; None when matplotlib is missing."""
-    import json
-    from pathlib import Path
-
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt, r = pyplot_and_result(json_path)
+    if plt is None:
         return None
-    r = json.loads(Path(json_path).read_text())
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, ph in zip(axes, ("prefill", "decode")):
         cs = [c for c in r["cases"] if c["phase"] == ph]

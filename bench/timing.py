@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["time_fn", "measure", "ceilings", "Budget", "query_slice", "rel_check", "unavailable", "write_json"]
+__all__ = ["time_fn", "measure", "ceilings", "Budget", "query_slice", "rel_check", "unavailable", "write_json",
+           "claim_lines", "pyplot_and_result"]
 
 
 def unavailable(e: BaseException) -> str:
@@ -155,3 +156,21 @@ def write_json(result: dict, out: str | Path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(_clean(result), indent=2))
     return p
+
+
+def claim_lines(result: dict) -> list[str]:
+    """One line per claimed ratio of a result: value, target, met or MISSED."""
+    return [f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})"
+            for cl in result["claims"]]
+
+
+def pyplot_and_result(json_path):
+    """(matplotlib.pyplot with a file backend, the result JSON) for a plot made from the JSON;
+    (None, None) when matplotlib is not installed (plots are optional, results are not)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None, None
+    return plt, json.loads(Path(json_path).read_text())

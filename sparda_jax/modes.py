@@ -50,6 +50,7 @@ class _Plan:
     dense_impl: str | None
     sparse_impl: str | None
     collect: bool  # return each layer's selection and the InfLLM-V2 oracle's
+    select_impl: str | None = None  # the selectors' `implementation=` (sparda_jax.select)
 
 
 def _validate(config: ModelConfig, mode: str, forecast, infinigen):
@@ -77,16 +78,20 @@ class KeySide(struct.PyTreeNode):
     pk: jax.Array | None
 
 
-def select_for_mode(c: ModelConfig, mode: str, q, keys: KeySide, positions, sel_in, first, n_blocks: int):
+def select_for_mode(c: ModelConfig, mode: str, q, keys: KeySide, positions, sel_in, first, n_blocks: int,
+                    implementation: str | None = None):
     """The block ids [B, K, T, topk] that `mode` selects for one layer (NOSA's cis stage
-    included). sel_in: `selector_input`'s output; first: traced bool, layer 0."""
+    included). sel_in: `selector_input`'s output; first: traced bool, layer 0;
+    implementation: the InfLLM-V2 and Forecast selectors' (InfiniGen's is jnp only)."""
     sp = c.sparse
     stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
-    own = lambda: select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks)
+    own = lambda: select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks,
+                                         implementation=implementation)
     if mode == "sparse":
         ids = own()
     elif mode == "sparda":
-        ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks)
+        ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks,
+                                     implementation=implementation)
     else:  # infinigen: layer 0 selects from its own queries, later layers from the partial queries
         ids = jax.lax.cond(first, own, lambda: select_blocks_infinigen(sel_in, keys.pk, positions, stage1,
                                                                        head_dim=c.head_dim, n_blocks=n_blocks))
@@ -104,7 +109,7 @@ def _attend(plan: _Plan, q, keys: KeySide, positions, sel_in, first, n_blocks: i
         out = dense_attention(q, keys.k, keys.v, positions if q.shape[1] != keys.k.shape[1] else None,
                               bias=keys.cis, implementation=plan.dense_impl)
         return out, None, None
-    ids = select_for_mode(c, plan.mode, q, keys, positions, sel_in, first, n_blocks)
+    ids = select_for_mode(c, plan.mode, q, keys, positions, sel_in, first, n_blocks, plan.select_impl)
     stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
     oracle = None
     if plan.collect:
@@ -220,15 +225,15 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
     return (unembed(params, x, c) if return_logits else None), aux
 
 
-def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect):
+def _make_plan(config, mode, t_kv, dtype, dense_impl, sparse_impl, collect, select_impl=None):
     dense = mode == "dense" or t_kv < config.sparse.dense_len
-    return _Plan(config, mode, dense, jnp.dtype(dtype), dense_impl, sparse_impl, collect and not dense)
+    return _Plan(config, mode, dense, jnp.dtype(dtype), dense_impl, sparse_impl, collect and not dense, select_impl)
 
 
 def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", forecast=None, infinigen=None,
             dtype=jnp.float32, dense_impl: str | None = None, sparse_impl: str | None = None,
-            return_kv: bool = False, return_q: bool = False, collect_selection: bool = False, tap=None,
-            return_logits: bool = True, logits_at=None):
+            select_impl: str | None = None, return_kv: bool = False, return_q: bool = False,
+            collect_selection: bool = False, tap=None, return_logits: bool = True, logits_at=None):
     """Prefill-style forward over whole sequences from position 0 in any mode.
 
     tokens int [B, T] -> float32 logits [B, T, vocab], and with return_kv / collect_selection
@@ -237,12 +242,14 @@ def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", foreca
     (the mode's selection and the InfLLM-V2 selection from the layer's true queries).
     tap: a hashable function of a `LayerView` whose per-layer outputs come back stacked as
     aux["tap"] (the Forecast's training loss is one); return_logits=False skips the LM head;
+    dense_impl, sparse_impl, select_impl: the `implementation=` of dense attention, block-sparse
+    attention and the selectors (None: the platform's fastest validated path);
     logits_at int [B, n] computes logits only at those positions ([B, n, vocab]).
     """
     _validate(config, mode, forecast, infinigen)
     tokens = jnp.asarray(tokens)
     check_tokens(tokens, None)
-    plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection)
+    plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection, select_impl)
     logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv,
                            return_q=return_q, tap=tap, return_logits=return_logits,
                            logits_at=None if logits_at is None else jnp.asarray(logits_at, jnp.int32))
@@ -294,7 +301,7 @@ def _build_state(config: ModelConfig, aux, lengths, cache_size: int, infinigen, 
 
 
 def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mode: Mode = "dense",
-            forecast=None, infinigen=None, dtype=jnp.float32, dense_impl=None, sparse_impl=None):
+            forecast=None, infinigen=None, dtype=jnp.float32, dense_impl=None, sparse_impl=None, select_impl=None):
     """Run right-padded prompts tokens [B, T] (real lengths [B]) and build the decode state
     with room for `cache_size` positions. Returns (logits of each last real token [B, V], state).
 
@@ -305,7 +312,8 @@ def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mo
         raise ValueError(f"cache_size ({cache_size}) < prompt length ({tokens.shape[1]})")
     lengths = jnp.asarray(lengths, jnp.int32)
     logits, aux = forward(params, tokens, config, mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype,
-                          dense_impl=dense_impl, sparse_impl=sparse_impl, return_kv=True, logits_at=(lengths - 1)[:, None])
+                          dense_impl=dense_impl, sparse_impl=sparse_impl, select_impl=select_impl, return_kv=True,
+                          logits_at=(lengths - 1)[:, None])
     last = logits[:, 0]
     state = _build_state(config, aux, lengths, cache_size, infinigen if mode == "infinigen" else None,
                          mode != "dense")
@@ -362,14 +370,14 @@ def _decode(params, tokens, positions, state: DecodeState, forecast, infinigen, 
 
 def decode_step(params, tokens, positions, state: DecodeState, config: ModelConfig, *, mode: Mode = "dense",
                 forecast=None, infinigen=None, dtype=jnp.float32, dense: bool | None = None,
-                dense_impl=None, sparse_impl=None):
+                dense_impl=None, sparse_impl=None, select_impl=None):
     """One token per sequence: tokens int [B], positions int [B] (where each token goes).
     Returns (logits [B, V], new state). `dense` (static) overrides the dense_len rule, which
     is otherwise applied to the longest sequence (host-side: positions must be concrete)."""
     _validate(config, mode, forecast, infinigen)
     if dense is None:
         dense = mode == "dense" or int(jnp.max(positions)) + 1 < config.sparse.dense_len
-    plan = _Plan(config, mode, bool(dense), jnp.dtype(dtype), dense_impl, sparse_impl, False)
+    plan = _Plan(config, mode, bool(dense), jnp.dtype(dtype), dense_impl, sparse_impl, False, select_impl)
     if not plan.dense and state.ckeys is None:
         raise ValueError("this decode state has no compressed keys: prefill it with a sparse mode")
     return _decode(params, tokens[:, None], positions[:, None], state, forecast, infinigen, plan=plan)

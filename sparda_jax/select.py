@@ -14,6 +14,14 @@ Pipeline per query at position p (SPEC.md sections 2, 3, 6):
 Ties go to the lower block id (lax.top_k's order).
 
 Queries are processed in chunks (`q_chunk`) so memory is O(q_chunk * N_c), never [T, T].
+
+The InfLLM-V2 and Forecast selectors take `implementation=`: "xla" (the jnp code here, the
+reference), "mosaic_gpu" / "mosaic_gpu_interpret" (kernels/forecast_select.py and
+kernels/infllmv2_select.py: scoring fused with the pooling and the forced/causal rules, a
+top-k without sort), None = "mosaic_gpu" for prefill where it ran correct on an H200 and was
+faster (bench/results/select.json: 2.6x the XLA Forecast selector and 3.1x the XLA InfLLM-V2
+selector at 128K; Hopper, bf16/f16, head dim 128, <= 2048 blocks), XLA elsewhere (decode
+included, where XLA was faster).
 """
 
 from __future__ import annotations
@@ -24,7 +32,9 @@ import math
 import jax
 import jax.numpy as jnp
 
-from .attention import NEG_INF
+from typing import Literal
+
+from .attention import NEG_INF, hopper_gpu
 from .compress import chunk_visible, compress_keys
 from .config import SparseConfig
 
@@ -167,16 +177,45 @@ def _map_query_chunks(fn, q_chunk: int, *arrays):
     return out[:, :, :tq]
 
 
+SelectImpl = Literal["xla", "mosaic_gpu", "mosaic_gpu_interpret"]
+MOSAIC_MAX_BLOCKS = 2048  # the kernels' top-k row (128K tokens of 64-token blocks)
+
+
+def _select_impl(implementation, x, nb: int, exact: bool = True) -> str:
+    if implementation is not None:
+        if implementation not in ("xla", "mosaic_gpu", "mosaic_gpu_interpret"):
+            raise ValueError(f"unknown selection implementation {implementation!r}")
+        return implementation
+    ok = (exact and x.shape[1] > 1 and x.dtype in (jnp.bfloat16, jnp.float16) and x.shape[-1] == 128
+          and nb <= MOSAIC_MAX_BLOCKS and hopper_gpu())
+    return "mosaic_gpu" if ok else "xla"
+
+
+def _interpret(implementation):
+    if implementation != "mosaic_gpu_interpret":
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    return plgpu.InterpretGPUParams()
+
+
 def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
-                           n_blocks: int | None = None, q_chunk: int = 128) -> jax.Array:
+                           n_blocks: int | None = None, q_chunk: int = 128,
+                           implementation: SelectImpl | None = None) -> jax.Array:
     """InfLLM-V2 selection from the true queries. q [B, Tq, H, D], kc [B, N_c, K, D] ->
     int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
-    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is an error."""
+    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is an error.
+    implementation: see the module docstring (the kernels take exact LSE only)."""
     _check(q, kc, q_positions, "H")
     if not sparse.exact_lse and kc_coarse is None:
         raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
                          "coarse_lse_kernel / coarse_lse_stride)")
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    impl = _select_impl(implementation, q, nb, exact=sparse.exact_lse)
+    if impl != "xla":
+        from sparda_jax.kernels.infllmv2_select import infllmv2_select
+
+        return infllmv2_select(q, kc.astype(q.dtype), q_positions, sparse, n_blocks=nb, interpret=_interpret(impl))
 
     def one(qc, pc):
         s = infllmv2_chunk_scores(qc, kc, pc, sparse, kc_coarse if not sparse.exact_lse else None)
@@ -186,12 +225,18 @@ def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coars
 
 
 def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
-                           q_chunk: int = 512) -> jax.Array:
-    """SparDA selection from the Forecast. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk]."""
+                           q_chunk: int = 512, implementation: SelectImpl | None = None) -> jax.Array:
+    """SparDA selection from the Forecast. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk].
+    implementation: see the module docstring."""
     _check(f, kc, q_positions, "K")
     if f.shape[2] != kc.shape[2]:
         raise ValueError(f"the Forecast has one head per KV head: f {f.shape} vs kc {kc.shape}")
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    impl = _select_impl(implementation, f, nb)
+    if impl != "xla":
+        from sparda_jax.kernels.forecast_select import forecast_select
+
+        return forecast_select(f, kc.astype(f.dtype), q_positions, sparse, n_blocks=nb, interpret=_interpret(impl))
 
     def one(fc, pc):
         s = forecast_chunk_scores(fc, kc, pc, sparse)

@@ -109,3 +109,26 @@ def test_compiled_topk_is_exact(impl):
     s = s.at[:6].set(_edge_rows(0, 6, nb, k))
     got = jax.jit(functools.partial(select_topk, k=k, implementation=impl))(s)
     np.testing.assert_array_equal(got, topk_reference(s, k))
+
+
+def test_selectors_dispatch_to_the_kernels_and_modes_pass_it_on():
+    # select_blocks_*(implementation=...) reaches the kernels; modes.forward(select_impl=...)
+    # reaches the selectors: with the interpreter, both equal the jnp path id for id.
+    import dataclasses
+
+    from sparda_jax import get_preset, init_forecast, init_model
+    from sparda_jax.modes import forward
+    from sparda_jax.select import select_blocks_infllmv2
+
+    sp = SparseConfig(local_blocks=1, topk=4, dense_len=0)
+    f, kc, pos = _case(11, t=320, d=64)
+    for fn, x in ((select_blocks_forecast, f), (select_blocks_infllmv2, jnp.repeat(f, 2, axis=2))):
+        np.testing.assert_array_equal(fn(x, kc, pos, sp, implementation="mosaic_gpu_interpret"),
+                                      fn(x, kc, pos, sp, implementation="xla"))
+    tiny = get_preset("tiny")
+    cfg = tiny.replace(num_layers=2, head_dim=64, sparse=sp)
+    params, fcst = init_model(cfg, jax.random.key(0)), init_forecast(cfg, jax.random.key(1))
+    tok = jax.random.randint(jax.random.key(2), (1, 320), 0, cfg.vocab_size)
+    run = lambda impl: forward(params, tok, cfg, mode="sparda", forecast=fcst, dtype=jnp.bfloat16, select_impl=impl,
+                               collect_selection=True)[1]["ids"]
+    np.testing.assert_array_equal(run("mosaic_gpu_interpret"), run("xla"))

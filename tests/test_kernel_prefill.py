@@ -11,23 +11,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax._src import xla_bridge
 
-# The interpreter runs each warpgroup of the "ws" variant (3 of them) as its own XLA CPU
-# computation whose host callbacks block on simulated barriers, and XLA may run those callbacks
-# on the CPU client's thread pool, sized to the core count (2 here). Two blocked warpgroups then
-# starve the third and the run deadlocks at idle CPU (docs/mosaic-gpu-notes.md 3.2: 3 hangs in
-# 12 runs; here it hung under the race detector every time). A pool of 8 (PJRT_NPROC) and
-# synchronous dispatch removed it. Both are read when the CPU client is created, so a session
-# that created it earlier (another test module) skips the "ws" interpret tests instead of
-# risking a hang.
-if int(os.environ.get("PJRT_NPROC", "0")) < 8:
-    os.environ["PJRT_NPROC"] = "8"
-jax.config.update("jax_cpu_enable_async_dispatch", False)
-_WS_INTERPRET_SAFE = not xla_bridge.backends_are_initialized()
+# conftest.py gives the CPU client the thread pool that interpreting the 3-warpgroup "ws"
+# variant needs (else it can deadlock); a client created without it skips those tests.
+_WS_INTERPRET_SAFE = (int(os.environ.get("PJRT_NPROC", "0")) >= 8
+                      and not jax.config.read("jax_cpu_enable_async_dispatch"))
 _needs_fresh_client = pytest.mark.skipif(not _WS_INTERPRET_SAFE, reason=(
-    "the CPU client was created before this module set PJRT_NPROC: interpreting the 3-warpgroup "
-    "kernel may deadlock; run this file on its own"))
+    "the CPU client lacks PJRT_NPROC >= 8 and synchronous dispatch (tests/conftest.py): interpreting the "
+    "3-warpgroup kernel may deadlock"))
 
 from sparda_jax.kernels.sparse_prefill import (INTERPRET, build_prefill_meta, sparse_prefill_attention,
                                                sparse_prefill_attention_reference, tile_tokens_for,

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "INTERPRET"]
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "default_n_split", "INTERPRET"]
 
 # Interpret mode (CPU): wgmma's A operand must come from SMEM and the accumulator cannot be
 # updated in place there, so the kernel has switches for those two (both lower for the GPU).
@@ -140,11 +140,25 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split,
     )(q_pad, k, v, ids, n_valid, pos)
 
 
-def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int = 4, interpret=None):
+def default_n_split(batch: int, kv_heads: int, n_blocks: int, num_sms: int | None = None) -> int:
+    """KV splits per (sequence, KV head). On the H200 (bench/results/attention.json) 4 splits
+    read 0.83-0.89 of HBM bandwidth at batch 64 (512 CTAs, ~4 per SM) but 0.42-0.48 at batch 16
+    (128 CTAs, one per SM: too few bytes in flight). So: at least 4, and enough for ~2 CTAs per
+    SM at small batch, capped at 16 (each split also writes a 64-row partial output). A
+    heuristic from those two points, not yet measured at its own choices."""
+    if num_sms is None:
+        num_sms = int(getattr(jax.devices()[0], "core_count", 0) or 132)
+    want = -(-2 * num_sms // max(1, batch * kv_heads))
+    return max(1, min(max(4, want), 16, n_blocks))
+
+
+def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, interpret=None):
     """q [B,H,D]; k, v [B,S,K,D]; ids [B,K,n] int32 (ascending, unique, -1 padded at the end);
-    pos [B] int32 (each query's position) -> [B,H,D]. interpret: None (compiled, GPU) or
-    `INTERPRET` (CPU)."""
+    pos [B] int32 (each query's position) -> [B,H,D]. n_split: KV splits per (sequence, KV
+    head), `default_n_split` when None. interpret: None (compiled, GPU) or `INTERPRET` (CPU)."""
     _check(q, k, v, ids, pos)
+    if n_split is None:
+        n_split = default_n_split(q.shape[0], k.shape[2], ids.shape[-1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
     kw["interpret"] = interpret
     B, H, D = q.shape
@@ -175,7 +189,7 @@ def _check(q, k, v, ids, pos):
         raise ValueError(f"ids must be [B, K, n] and pos [B]; got {ids.shape}, {pos.shape}")
 
 
-def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int = 4, interpret=None):
+def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int | None = None, interpret=None):
     """The plain-jnp reference with the kernel's signature (n_split, interpret are ignored)."""
     from sparda_jax.attention import sparse_attention_reference
 

@@ -83,3 +83,12 @@ def test_dispatch_through_sparse_attention():
     with pytest.raises(NotImplementedError, match="no bias"):  # Tq > 1 goes to the prefill kernel
         sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], bias=jnp.ones(k.shape[:3]),
                          implementation="mosaic_gpu")
+
+
+def test_default_split_count():
+    from sparda_jax.kernels.sparse_decode import default_n_split
+
+    assert default_n_split(64, 2, 96, num_sms=132) == 4     # 512 CTAs already: the measured 4
+    assert default_n_split(16, 2, 96, num_sms=132) == 9     # 2 CTAs per SM
+    assert default_n_split(1, 2, 96, num_sms=132) == 16     # capped
+    assert default_n_split(1, 2, 3, num_sms=132) == 3       # never more splits than blocks

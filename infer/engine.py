@@ -40,8 +40,8 @@ from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
 
-from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_start, gather_blocks_wait, paper_num_ctas,
-                                            scatter_blocks)
+from sparda_jax.kernels.copy_engine import (autotune_num_ctas, gather_blocks, gather_blocks_start, gather_blocks_wait,
+                                            paper_num_ctas, scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -370,12 +370,14 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
-                       num_ctas: int | None = None):
+                       num_ctas: int | str | None = None):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
     copy_impl: "cuda" (the UVA gather of kernels/copy), "xla" (the reference); None picks cuda
-    on a GPU. num_ctas: the copy kernel's CTA quota (default: the paper's heuristic)."""
+    on a GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
+    batch 32, else 32), "auto" the fastest (fewest on a near-tie) of 8..64 CTAs timed once on
+    this GPU for a layer's worst-case copy (every slot of every sequence and KV head)."""
     sel = selector_of(mode)
     if mode in RESIDENT_MODES:
         logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
@@ -392,6 +394,10 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
         copy_impl = "cuda" if jax.default_backend() == "gpu" else "xla"
     if num_ctas is None:
         num_ctas = paper_num_ctas(int(tokens.shape[0]))
+    elif num_ctas == "auto":  # timed once per copy size on this GPU (cached)
+        c = state.cache["k"]
+        num_ctas = autotune_num_ctas(int(c.shape[1] * c.shape[2] * c.shape[3]), tuple(c.shape[4:]), str(c.dtype)) \
+            if copy_impl == "cuda" else paper_num_ctas(int(tokens.shape[0]))
     plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas)
     return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
 

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
-           "scatter_blocks_reference", "build_library", "nvcc_path", "paper_num_ctas"]
+           "scatter_blocks_reference", "build_library", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
+           "pick_num_ctas"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 # XLA custom-call target -> symbol in the library
@@ -47,6 +48,48 @@ NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode",
 def paper_num_ctas(batch: int, gpu: str = "H100") -> int:
     """The paper's CTA quota: 16 below batch 32 (A100: 64), else 32."""
     return 16 if batch < (64 if gpu.upper().startswith("A100") else 32) else 32
+
+
+CTA_CANDIDATES = (8, 16, 32, 64)
+
+
+def pick_num_ctas(seconds: dict[int, float], tolerance: float = 0.03) -> int:
+    """The fewest CTAs within `tolerance` of the fastest measured gather: every CTA the copy
+    holds is an SM that attention and FFN lose, so a near-tie goes to fewer."""
+    best = min(seconds.values())
+    return min(c for c, t in seconds.items() if t <= best * (1 + tolerance))
+
+
+@functools.cache
+def autotune_num_ctas(n_tasks: int, block_shape: tuple[int, ...], dtype: str = "bfloat16",
+                      candidates: tuple[int, ...] = CTA_CANDIDATES, repeats: int = 10) -> int:
+    """Time the CUDA gather of `n_tasks` random blocks from a pinned-host pool (4x as many
+    blocks) for each CTA count and return `pick_num_ctas` of the medians; cached per shape.
+    GPU only, and outside jit (it runs the gather). On the H200 the best count moved with the
+    size: 32 at 1 and 32 MiB, 64 at 8 MiB (bench/results/copy.json)."""
+    import time
+
+    from jax.sharding import SingleDeviceSharding
+
+    dev = jax.devices()[0]
+    rng = np.random.default_rng(0)
+    n_pool = 4 * n_tasks
+    pool = jax.device_put(rng.standard_normal((n_pool, *block_shape), dtype=np.float32).astype(dtype),
+                          SingleDeviceSharding(dev, memory_kind="pinned_host"))
+    src = jnp.asarray(rng.choice(n_pool, n_tasks, replace=False).astype(np.int32))
+    dst = jnp.arange(n_tasks, dtype=jnp.int32)
+    cache = jnp.zeros((n_tasks, *block_shape), dtype)
+    seconds = {}
+    for c in candidates:
+        f = jax.jit(functools.partial(gather_blocks, num_ctas=c, implementation="cuda"))
+        jax.block_until_ready(f(pool, src, dst, cache))  # compile outside the timing
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(pool, src, dst, cache))
+            ts.append(time.perf_counter() - t0)
+        seconds[c] = float(np.median(ts))
+    return pick_num_ctas(seconds)
 
 
 def nvcc_path() -> str | None:

@@ -124,3 +124,11 @@ def test_cuda_scatter_writes_the_host_pool_in_place():
     out = f(cache, slots, blocks, host)
     assert out.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(out), np.asarray(scatter_blocks_reference(cache, slots, blocks, pool)))
+
+
+def test_cta_choice_prefers_fewer_on_a_near_tie():
+    from sparda_jax.kernels.copy_engine import pick_num_ctas
+
+    assert pick_num_ctas({8: 2.0, 16: 1.1, 32: 1.0, 64: 1.01}) == 32
+    assert pick_num_ctas({8: 2.0, 16: 1.015, 32: 1.0, 64: 0.99}) == 16  # within 3% of the fastest
+    assert pick_num_ctas({16: 1.0}) == 16

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
-from sparda_jax.attention import paged_sparse_attention_reference, sparse_attention
+from sparda_jax.attention import paged_sparse_attention, sparse_attention
 from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
@@ -137,6 +137,7 @@ class _EnginePlan:
     reuse: bool
     copy_impl: str  # "cuda" (kernels/copy) or "xla" (the reference)
     num_ctas: int
+    attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
 
 
 def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
@@ -323,9 +324,10 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
             own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)
             new_pre = None
         cache_l = _write_token(own.cache, own.slots, own.ids, pos, new, bs)
-        attn = paged_sparse_attention_reference(
+        attn = paged_sparse_attention(
             q, cache_l["k"].astype(q.dtype), cache_l["v"].astype(q.dtype), own.slots[:, :, None], own.ids[:, :, None],
-            qpos, block_size=bs, bias_pool=cache_l["cis"][..., 0] if "cis" in cache_l else None)
+            qpos, block_size=bs, bias_pool=cache_l["cis"][..., 0] if "cis" in cache_l else None,
+            implementation=plan.attention_impl)
         x = layer.apply(v, x, attn, method="finish")
         out = dict(ckeys=ck, ccis=cc, pk=pk_l, table=own.table, cache=cache_l, n_copies=own.n_copies,
                    selected=jnp.sum(own.ids >= 0))
@@ -370,14 +372,16 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
-                       num_ctas: int | str | None = None):
+                       num_ctas: int | str | None = None, attention_impl: str | None = None):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
     copy_impl: "cuda" (the UVA gather of kernels/copy), "xla" (the reference); None picks cuda
     on a GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
     batch 32, else 32), "auto" the fastest (fewest on a near-tie) of 8..64 CTAs timed once on
-    this GPU for a layer's worst-case copy (every slot of every sequence and KV head)."""
+    this GPU for a layer's worst-case copy (every slot of every sequence and KV head).
+    attention_impl: the block-cache attention's (`sparda_jax.attention.paged_sparse_attention`;
+    None: the paged Mosaic kernel where it applies, else the reference)."""
     sel = selector_of(mode)
     if mode in RESIDENT_MODES:
         logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
@@ -398,7 +402,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
         c = state.cache["k"]
         num_ctas = autotune_num_ctas(int(c.shape[1] * c.shape[2] * c.shape[3]), tuple(c.shape[4:]), str(c.dtype)) \
             if copy_impl == "cuda" else paper_num_ctas(int(tokens.shape[0]))
-    plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas)
+    plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl)
     return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
 
 

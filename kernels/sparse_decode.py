@@ -23,7 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "default_n_split", "INTERPRET"]
+__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
+           "paged_sparse_decode_attention_reference", "default_n_split", "INTERPRET"]
 
 # Interpret mode (CPU): wgmma's A operand must come from SMEM and the accumulator cannot be
 # updated in place there, so the kernel has switches for those two (both lower for the GPU).
@@ -35,19 +36,23 @@ INTERPRET = plgpu.InterpretGPUParams()
 BS, GP = 64, 64          # tokens per KV block; query rows per CTA (wgmma needs M % 64 == 0)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 8 x 64 elems = 128 B
 
-def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split,
+def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None,
                                                     p_via_smem=False, acc_in_place=True, interpret=None):
-    """q_pad [B,K,GP,D] bf16 (rows >= G zero); k, v [B,S,K,D] bf16; ids [B,K,n] int32
-    (ascending, -1 padded, unique); n_valid [B,K] int32; pos [B] int32 (query position).
+    """q_pad [B,K,GP,D] bf16 (rows >= G zero); k, v [B,S,K,D] bf16, or with `slots` the block
+    cache's pools viewed as [B,K,n_slots*64,D] (block ids[j] sits in slot slots[j]); ids [B,K,n]
+    int32 (ascending, -1 padded, unique); n_valid [B,K] int32; pos [B] int32 (query position).
     -> o [B,K,n_split,GP,D] f32 (normalised per split), lse [B,K,n_split,GP] f32 (log2 units).
     Interpret mode needs p_via_smem=True, acc_in_place=False."""
+    paged = slots is not None
+    if not paged:
+        slots = ids  # unused: the contiguous cache is addressed by block id
     B, K, _, D = q_pad.shape
     n = ids.shape[-1]
     per = -(-n // n_split)
     dtype = q_pad.dtype
     scale_log2 = math.log2(math.e) / math.sqrt(D)
 
-    def body(q_ref, k_ref, v_ref, ids_ref, nv_ref, pos_ref, o_ref, lse_ref,
+    def body(q_ref, k_ref, v_ref, ids_ref, slots_ref, nv_ref, pos_ref, o_ref, lse_ref,
                       q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, kv_bar):
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         start = s * per
@@ -56,10 +61,14 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split,
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
 
         def fetch(j, slot):                                   # one barrier, two arrivals (K and V)
-            blk = jnp.maximum(ids_ref[b, h, j], 0)
-            rows = pl.ds(pl.multiple_of(blk * BS, BS), BS)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, h], k_smem.at[slot], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, h], v_smem.at[slot], kv_bar.at[slot])
+            if paged:
+                rows = pl.ds(pl.multiple_of(jnp.maximum(slots_ref[b, h, j], 0) * BS, BS), BS)
+                k_src, v_src = k_ref.at[b, h, rows], v_ref.at[b, h, rows]
+            else:
+                rows = pl.ds(pl.multiple_of(jnp.maximum(ids_ref[b, h, j], 0) * BS, BS), BS)
+                k_src, v_src = k_ref.at[b, rows, h], v_ref.at[b, rows, h]
+            plgpu.copy_gmem_to_smem(k_src, k_smem.at[slot], kv_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], kv_bar.at[slot])
 
         @pl.when(start < end)
         def _():
@@ -137,7 +146,7 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split,
             ),
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
-    )(q_pad, k, v, ids, n_valid, pos)
+    )(q_pad, k, v, ids, slots, n_valid, pos)
 
 
 def default_n_split(batch: int, kv_heads: int, n_blocks: int, num_sms: int | None = None) -> int:
@@ -157,16 +166,36 @@ def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, in
     pos [B] int32 (each query's position) -> [B,H,D]. n_split: KV splits per (sequence, KV
     head), `default_n_split` when None. interpret: None (compiled, GPU) or `INTERPRET` (CPU)."""
     _check(q, k, v, ids, pos)
+    return _decode(q, k, v, ids, pos, None, k.shape[2], n_split, interpret)
+
+
+def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split: int | None = None,
+                                  interpret=None):
+    """The same over the engine's block cache: k_pool, v_pool [B,K,n_slots,64,D]; block ids[b,k,j]
+    sits in slot slots[b,k,j] (ids ascending, unique, -1 padded at the end; slots aligned with
+    them). -> [B,H,D]. Causality comes from the block ids and pos."""
+    b, kh, n_slots, bs, d = k_pool.shape
+    if v_pool.shape != k_pool.shape or bs != BS:
+        raise ValueError(f"k_pool/v_pool must be [B, K, n_slots, {BS}, D]; got {k_pool.shape}, {v_pool.shape}")
+    if slots.shape != ids.shape:
+        raise ValueError(f"slots {slots.shape} and ids {ids.shape} must align")
+    flat = lambda p: p.reshape(b, kh, n_slots * bs, d)
+    # the contiguous layout's checks, with the pool seen as a cache of n_slots blocks
+    as_cache = lambda p: jax.ShapeDtypeStruct((b, n_slots * bs, kh, d), p.dtype)
+    _check(q, as_cache(k_pool), as_cache(v_pool), ids, pos)
+    return _decode(q, flat(k_pool), flat(v_pool), ids, pos, slots.astype(jnp.int32), kh, n_split, interpret)
+
+
+def _decode(q, k, v, ids, pos, slots, K, n_split, interpret):
     if n_split is None:
-        n_split = default_n_split(q.shape[0], k.shape[2], ids.shape[-1])
+        n_split = default_n_split(q.shape[0], K, ids.shape[-1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
     kw["interpret"] = interpret
     B, H, D = q.shape
-    K = k.shape[2]
     G = H // K
     q_pad = jnp.zeros((B, K, GP, D), q.dtype).at[:, :, :G].set(q.reshape(B, K, G, D))
     n_valid = jnp.sum(ids >= 0, axis=-1).astype(jnp.int32)
-    o, lse = sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, n_split=n_split, **kw)
+    o, lse = sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, n_split=n_split, slots=slots, **kw)
     o, lse = o[:, :, :, :G], lse[:, :, :, :G]
     m = jnp.max(lse, axis=2, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -194,4 +223,14 @@ def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int | None 
     from sparda_jax.attention import sparse_attention_reference
 
     out = sparse_attention_reference(q[:, None], k, v, ids[:, :, None], pos[:, None], block_size=BS)
+    return out[:, 0]
+
+
+def paged_sparse_decode_attention_reference(q, k_pool, v_pool, slots, ids, pos, *, n_split: int | None = None,
+                                            interpret=None):
+    """The plain-jnp reference with the paged kernel's signature (n_split, interpret are ignored)."""
+    from sparda_jax.attention import paged_sparse_attention_reference
+
+    out = paged_sparse_attention_reference(q[:, None], k_pool, v_pool, slots[:, :, None], ids[:, :, None],
+                                           pos[:, None], block_size=BS)
     return out[:, 0]

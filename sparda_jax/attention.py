@@ -272,6 +272,34 @@ def paged_sparse_attention_reference(q, k_pool, v_pool, slots, block_ids, q_posi
     return _map_chunks(one_chunk, chunk, q, q_positions, ids, slots).astype(q.dtype)
 
 
+def paged_sparse_attention(q, k_pool, v_pool, slots, block_ids, q_positions, *, block_size: int = 64,
+                           bias_pool=None, implementation: SparseImpl | None = None):
+    """Block-sparse attention through a slot table (see `paged_sparse_attention_reference`).
+
+    implementation: "xla" the reference; "mosaic_gpu" / "mosaic_gpu_interpret" the paged Mosaic
+    GPU decode kernel (Tq == 1, no bias, 64-token blocks, bf16/f16, block ids ascending and
+    unique with -1 padding at the end, as the selectors emit them); None the kernel where
+    `sparse_attention` would pick it for decode, else the reference.
+    """
+    if implementation is None:
+        ok = q.shape[1] == 1 and _mosaic_attention_ok(q, k_pool, v_pool, block_size, bias_pool)
+        implementation = "mosaic_gpu" if ok else "xla"
+    if implementation == "xla":
+        return paged_sparse_attention_reference(q, k_pool, v_pool, slots, block_ids, q_positions,
+                                                block_size=block_size, bias_pool=bias_pool)
+    if implementation not in ("mosaic_gpu", "mosaic_gpu_interpret"):
+        raise ValueError(f"unknown sparse attention implementation {implementation!r}")
+    if q.shape[1] != 1 or bias_pool is not None or block_size != 64:
+        raise NotImplementedError("the paged Mosaic GPU kernel covers decode (Tq == 1, 64-token blocks, no bias); "
+                                  "use implementation='xla'")
+    from sparda_jax.kernels.sparse_decode import INTERPRET, paged_sparse_decode_attention
+
+    out = paged_sparse_decode_attention(q[:, 0], k_pool, v_pool, slots[:, :, 0], block_ids[:, :, 0].astype(jnp.int32),
+                                        q_positions[:, 0].astype(jnp.int32),
+                                        interpret=INTERPRET if implementation.endswith("interpret") else None)
+    return out[:, None]
+
+
 def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, bias=None,
                      implementation: SparseImpl | None = None):
     """Block-sparse attention over the selected blocks (see `sparse_attention_reference`).

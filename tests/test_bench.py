@@ -151,7 +151,7 @@ def test_prefill_bench_smoke_on_cpu(tmp_path):
         assert x["status"] == "ok" and x["check"]["small"]["passed"] and x["check"]["finite"]["passed"]
         assert abs(x["tokens_per_s"] - 2 * 256 / (x["seconds"] * 1.5)) < 1e-6 * x["tokens_per_s"]
     assert {c["claim"].split(": ")[1] for c in r["claims"]} == {"SparDA / Sparse tokens/s", "SparDA / Dense+ tokens/s"}
-    assert "| SparDA | 256 | 2 | xla |" in table(r)
+    assert "| SparDA | 256 | 2 | xla,xla |" in table(r)
 
 
 def test_cli_knows_the_engine_benchmarks():

@@ -358,9 +358,10 @@ def _run_config(ctx, preset, **kw):
                      "compressed keys from those keys, empty block cache (engine_state.build_state); no prefill",
             "check": f"step 0 row 0 logits vs modes.decode_step (resident, batch 1, same K/V and token): rel err <= "
                      f"{LOGIT_BOUND}; offload step-0 copied == selected == (L-1) B K topk",
-            "attention": "as the engine runs it: offload modes paged jnp reference; sparse_resident jnp reference; "
-                         "dense_resident cuDNN where it applies (modes.dense_attention default)",
-            "selection": "XLA selectors of sparda_jax.select (the engine wires no selection kernel)",
+            "attention": "the defaults: offload modes paged_sparse_attention (the paged Mosaic decode kernel on "
+                         "Hopper in bf16, else the jnp reference); sparse_resident sparse_attention (Mosaic decode "
+                         "kernel on Hopper); dense_resident cuDNN where it applies",
+            "selection": "sparda_jax.select defaults: XLA in decode (faster than the kernels there, select.json)",
             "num_ctas_default": "paper heuristic (16 below batch 32, else 32) when num_ctas is None",
             "reuse_variant": "rows < round(f B) repeat step 0's token and position, so their selections repeat; "
                              "an emulation of block reuse, not real traffic",

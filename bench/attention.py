@@ -27,15 +27,13 @@ from __future__ import annotations
 import functools
 import sys
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.attention import (dense_attention, dense_attention_reference, sparse_attention,
                                   sparse_attention_reference)
-from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_check, unavailable, write_json, claim_lines, pyplot_and_result
+from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
@@ -438,8 +436,6 @@ def table(r: dict) -> str:
             lines.append(f"prefill T={cs['T']}: mean union of blocks over 8-token tiles {cs['union_mean_tile8']:.0f} "
                          f"(topk {r['config']['topk']})")
     lines += claim_lines(r)
-    for s in r["skipped"]:
-        lines.append(f"skipped {s['phase']} T={s['T']} B={s['batch']}: {s['reason'][:80]}")
     lines.append("* timed on a query slice and scaled (JSON: timed_queries, scale)")
     return "\n".join(lines)
 
@@ -469,11 +465,7 @@ def plot(json_path) -> str | None:
     a2.axhline(r["ceilings"]["hbm_gb_per_s"], ls="--", c="gray", label="HBM copy")
     a2.set(xscale="log", xlabel="context T", ylabel="GB/s (K/V read)", title="decode")
     a2.legend(fontsize=7)
-    fig.tight_layout()
-    out = str(Path(json_path).with_suffix(".png"))
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_png(plt, fig, json_path)
 
 
 def main(args) -> int:

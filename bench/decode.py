@@ -36,15 +36,13 @@ from __future__ import annotations
 import sys
 import time
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, build_state, feasibility, kwargs_for,
                                            make_extras, make_params, row_tokens, weights_bytes)
-from sparda_jax.bench.timing import Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result
+from sparda_jax.bench.timing import Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import OFFLOAD_MODES, RESIDENT_MODES, engine_decode_step, selector_of
 from sparda_jax.modes import decode_step
@@ -554,11 +552,7 @@ def plot(json_path) -> str | None:
                     ax.plot(*zip(*pts), "o-", label=f"{LABELS[m]} T={t}")
         ax.set(xscale="log", xlabel="batch", ylabel="tokens/s (scaled to full model)", title="decode")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = str(Path(json_path).with_suffix(".png"))
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_png(plt, fig, json_path)
 
 
 def _parse_real(items) -> dict | None:

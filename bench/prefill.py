@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import sys
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 
 from sparda_jax.bench.engine_state import BF16, bench_config, kwargs_for, make_extras, make_params
-from sparda_jax.bench.timing import Budget, measure, rel_check, unavailable, write_json, claim_lines, pyplot_and_result
+from sparda_jax.bench.timing import Budget, measure, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import selector_of
 from sparda_jax.modes import forward
@@ -185,11 +183,7 @@ def plot(json_path) -> str | None:
     ax.set(xscale="log", xlabel="context T", ylabel="tokens/s (scaled to full model)",
            title=f"prefill, batch {r['config']['batch']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = str(Path(json_path).with_suffix(".png"))
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_png(plt, fig, json_path)
 
 
 def main(args) -> int:

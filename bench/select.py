@@ -25,14 +25,12 @@ from __future__ import annotations
 import functools
 import sys
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.bench.attention import decode_case, model_shape, prefill_case, _shape_json
-from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, unavailable, write_json, claim_lines, pyplot_and_result
+from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.compress import compress_keys, num_chunks
 from sparda_jax.envinfo import environment
 from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
@@ -336,8 +334,6 @@ def table(r: dict) -> str:
             lines.append(f"| {c['phase']} | {c['T']} | {c['batch']} | attention:{c['attention_variant']} | "
                          f"{c['attention_seconds_layer'] * 1e3:.4g} | | |")
     lines += claim_lines(r)
-    for s in r["skipped"]:
-        lines.append(f"skipped {s['phase']} T={s['T']} B={s['batch']}: {s['reason'][:80]}")
     lines.append("* timed on a query slice and scaled (JSON: timed_queries, scale)")
     return "\n".join(lines)
 
@@ -362,11 +358,7 @@ def plot(json_path) -> str | None:
                 ax.plot(*zip(*pts), "k--", label=f"sparse attention B={b}")
         ax.set(xscale="log", yscale="log", xlabel="context T", ylabel="ms per layer", title=f"selection, {ph}")
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    out = str(Path(json_path).with_suffix(".png"))
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_png(plt, fig, json_path)
 
 
 def main(args) -> int:

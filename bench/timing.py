@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["time_fn", "measure", "ceilings", "Budget", "query_slice", "rel_check", "unavailable", "write_json",
-           "claim_lines", "pyplot_and_result"]
+           "claim_lines", "pyplot_and_result", "save_png"]
 
 
 def unavailable(e: BaseException) -> str:
@@ -159,9 +159,12 @@ def write_json(result: dict, out: str | Path) -> Path:
 
 
 def claim_lines(result: dict) -> list[str]:
-    """One line per claimed ratio of a result: value, target, met or MISSED."""
-    return [f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})"
-            for cl in result["claims"]]
+    """One line per claimed ratio of a result (value, target, met or MISSED), then one per
+    configuration the run skipped, with its reason."""
+    lines = [f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})"
+             for cl in result["claims"]]
+    return lines + [f"skipped {s['phase']} T={s['T']} B={s['batch']}: {s['reason'][:80]}"
+                    for s in result.get("skipped", [])]
 
 
 def pyplot_and_result(json_path):
@@ -174,3 +177,12 @@ def pyplot_and_result(json_path):
     except ImportError:
         return None, None
     return plt, json.loads(Path(json_path).read_text())
+
+
+def save_png(plt, fig, json_path) -> str:
+    """Write the figure beside its JSON (same name, .png) and close it."""
+    fig.tight_layout()
+    out = str(Path(json_path).with_suffix(".png"))
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out

@@ -145,7 +145,7 @@ def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
     a.slots[b, k, i] when a.copy says so (-1: no task). The CUDA engine reads the whole pool
     in place (only the wanted blocks cross PCIe), so its sources index all layers; the
     reference slices the layer first."""
-    l1, b, kh, nb = host["k"].shape[:4]
+    b, kh, nb = host["k"].shape[1:4]
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
     dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)

@@ -28,11 +28,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
-
-from typing import Literal
 
 from .attention import NEG_INF, hopper_gpu
 from .compress import chunk_visible, compress_keys

@@ -18,7 +18,13 @@ __all__ = ["time_fn", "measure", "ceilings", "Budget", "query_slice", "rel_check
 
 
 def unavailable(e: BaseException) -> str:
-    return f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    msg = f"unavailable: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+    if "RESOURCE_EXHAUSTED" in str(e):  # what the allocator held, to tell a real need from fragmentation
+        stats = jax.devices()[0].memory_stats() or {}
+        gib = {k: round(stats[k] / 2**30, 2) for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use",
+                                                      "largest_free_block_bytes", "bytes_reserved") if k in stats}
+        msg += f" [device GiB: {gib}]"
+    return msg
 
 
 def time_fn(fn, repeats: int = 3, max_s: float = 3.0, warmup: bool = True) -> dict:

@@ -334,8 +334,10 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         return (x, h, new_pre), out
 
     # unrolled when copies are in flight across layers: a loop carry may be copied by XLA,
-    # and a copy of a buffer the side stream is still writing would read it half-written
-    (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs, unroll=c.num_layers - 1 if async_copy else 1)
+    # and a copy of a buffer the side stream is still writing would read it half-written.
+    # unroll=True, not the length: with one trip (2 layers) an int unroll of 1 is a while loop,
+    # which on the H200 lost the start's buffer to a carry copy ("already in flight" next step)
+    (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs, unroll=True if async_copy else 1)
     if async_copy:  # the last layer's prefetch had no tasks; its wait retires the start
         x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre, x)))
     join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)

@@ -3,7 +3,9 @@
 # Usage in a device call:  source scripts/device_setup.sh
 set -e
 [ -f .commit ] && export SPARDA_COMMIT=$(cat .commit)  # written by `git rev-parse HEAD > .commit` before the call
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# not preallocated, but allowed 90% of the GPU (the default 75% is 104 of 139 GiB): a 128K x 4
+# prefill's temporaries are one allocation of ~57 GiB (bench/results/prefill.json's first run)
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.90
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || python3 -m pip install --no-deps --no-build-isolation -e .
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

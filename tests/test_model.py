@@ -162,6 +162,27 @@ def test_return_kv_matches_the_decode_cache(tiny_params):
     np.testing.assert_allclose(cache.v, aux["v"], atol=1e-5)
 
 
+def test_ffn_in_chunks_equals_numpy_swiglu(monkeypatch):
+    """The FFN maps over token chunks past MLP_CHUNK_TOKENS (a long prefill's memory); a ragged
+    last chunk (2 x 13 tokens in chunks of 7) is padded and cut. Against float64 NumPy SwiGLU,
+    chunked and whole, with the nn.Dense parameter names the loaders write."""
+    import sparda_jax.model as model
+
+    x = jax.random.normal(jax.random.key(5), (2, 13, 16), jnp.float32)
+    mlp = model.MLP(24)
+    params = mlp.init(jax.random.key(6), x)
+    p = {k: np.asarray(v["kernel"], np.float64) for k, v in params["params"].items()}
+    assert set(p) == {"gate_proj", "up_proj", "down_proj"} and p["gate_proj"].shape == (16, 24)
+    x64 = np.asarray(x, np.float64)
+    g = x64 @ p["gate_proj"]
+    want = (g / (1 + np.exp(-g)) * (x64 @ p["up_proj"])) @ p["down_proj"]
+    whole = mlp.apply(params, x)
+    monkeypatch.setattr(model, "MLP_CHUNK_TOKENS", 7)
+    chunked = mlp.apply(params, x)
+    for got in (whole, chunked):  # f32 GEMMs of 16-24 terms: ~1e-6 relative
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
 def test_gqa_equals_mha_with_repeated_kv(tiny_params):
     """A GQA model equals the MHA model whose K/V projections repeat each KV head G times."""
     g = TINY.group_size

@@ -3,6 +3,9 @@
     python -m sparda_jax.eval.report OUT.md FILE[=LABEL] ...
 
 LABEL replaces the mode names of a file's rows (for a file of one mode, e.g. an ablation).
+Rows of `--suite tasks` files are rendered by `eval.accuracy.tasks_markdown`, paired differences
+included: rows of different files (of one model) pair where they share (task, length, seed),
+which fixes the prompts.
 """
 
 from __future__ import annotations
@@ -56,7 +59,17 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out, specs = Path(argv[0]), argv[1:]
     rows, sources = merge(specs)
-    text = [table(rows), "", "Sources (each made by the command shown, on the device shown):", ""]
+    text = []
+    sel = [r for r in rows if "task" not in r]
+    if sel:
+        text += [table(sel), ""]
+    tasks = [r for r in rows if "task" in r]
+    if tasks:
+        # imported here: it pulls in JAX, which the selection tables do not need
+        from .accuracy import tasks_markdown
+
+        text += [tasks_markdown({"rows": tasks}), ""]
+    text += ["Sources (each made by the command shown, on the device shown):", ""]
     for s in sources:
         text.append(f"- `{s['file']}`: `{s['command']}` at commit {str(s['commit'])[:12]} on {s['device']}")
     text.append("")

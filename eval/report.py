@@ -18,16 +18,26 @@ from pathlib import Path
 __all__ = ["merge", "main"]
 
 
+def _key(r: dict) -> tuple:
+    # not the seed: rows written before it was recorded have none, and one cell is one cell
+    return (r.get("task"), r["length"], r["mode"])
+
+
 def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
-    rows, sources = [], []
+    """A cell (task, length, mode) measured in several files (a run cut by its time limit, then
+    completed by a second one) is taken from the last file that has it."""
+    rows, sources = {}, []
     for spec in specs:
         path, _, label = spec.partition("=")
         d = json.loads(Path(path).read_text())
         for r in d["rows"]:
-            rows.append(dict(r, mode=label or r["mode"]))
+            r = dict(r, mode=label or r["mode"])
+            rows.pop(_key(r), None)  # re-inserted last: the order is the last run's
+            rows[_key(r)] = r
         sources.append({"file": path, "command": d.get("command"), "commit": d["environment"].get("commit"),
-                        "device": d["environment"].get("device"), "budget": d.get("budget")})
-    return rows, sources
+                        "device": d["environment"].get("device"), "budget": d.get("budget"),
+                        "complete": d.get("complete")})
+    return list(rows.values()), sources
 
 
 def table(rows: list[dict]) -> str:
@@ -69,9 +79,15 @@ def main(argv: list[str] | None = None) -> int:
         from .accuracy import tasks_markdown
 
         text += [tasks_markdown({"rows": tasks}), ""]
+        if len({r["length"] for r in tasks}) > 1:  # accuracy vs length, beside the table
+            from .accuracy import plot_tasks
+
+            plot_tasks({"rows": tasks}, out.with_suffix(".png"))
+            text += [f"Plot: `{out.with_suffix('.png').name}`", ""]
     text += ["Sources (each made by the command shown, on the device shown):", ""]
     for s in sources:
-        text.append(f"- `{s['file']}`: `{s['command']}` at commit {str(s['commit'])[:12]} on {s['device']}")
+        cut = "" if s["complete"] in (True, None) else " (cut by its time limit; its finished cells are used)"
+        text.append(f"- `{s['file']}`: `{s['command']}` at commit {str(s['commit'])[:12]} on {s['device']}{cut}")
     text.append("")
     text.append(f"Made by: `python -m sparda_jax.eval.report {shlex.join(argv)}`")
     out.write_text("\n".join(text) + "\n")

@@ -218,3 +218,20 @@ def test_report_merges_task_files_with_the_paired_section(tmp_path):
     assert "paired difference vs sparse" in text and "| dense, trained |" in text
     d = {(x["mode"], x["task"]): x for x in paired_differences(res)}[("dense", "copy")]
     assert f"**{d['ll_diff']:+.3f} ±{d['ll_diff_ci95']:.3f}**" in text
+
+
+def test_report_takes_a_cell_from_the_last_file_that_has_it(tmp_path):
+    # a run cut by its time limit, then completed by a second run that repeats one cell
+    res = _synthetic_result(20)
+    env = {"environment": {"commit": "abc", "device": "cpu"}, "command": "sparda eval"}
+    first = [r for r in res["rows"] if r["mode"] == "sparse"]
+    again = [dict(first[0], em=0.123, em_per_sample=None)]  # the repeated cell, different numbers
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"rows": first, **env, "complete": False}))
+    b.write_text(json.dumps({"rows": again, **env, "complete": True}))
+    rows, sources = report.merge([str(a), str(b)])
+    cell = [r for r in rows if (r["task"], r["length"], r["mode"]) == (again[0]["task"], again[0]["length"], "sparse")]
+    assert len(rows) == len(first) and len(cell) == 1 and cell[0]["em"] == 0.123
+    assert [s["complete"] for s in sources] == [False, True]
+    assert report.main([str(tmp_path / "o.md"), str(a), str(b)]) == 0
+    assert "cut by its time limit" in (tmp_path / "o.md").read_text()

@@ -40,8 +40,8 @@ from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
 
-from sparda_jax.kernels.copy_engine import (autotune_num_ctas, gather_blocks, gather_blocks_start, gather_blocks_wait,
-                                            paper_num_ctas, scatter_blocks)
+from sparda_jax.kernels.copy_engine import (FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks, gather_blocks_start,
+                                            gather_blocks_wait, paper_num_ctas, scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -135,7 +135,7 @@ class _EnginePlan:
     mode: str
     dtype: jnp.dtype
     reuse: bool
-    copy_impl: str  # "cuda" (kernels/copy) or "xla" (the reference)
+    copy_impl: str  # "cuda" (kernels/copy), "host_ffi" (its CPU twin) or "xla" (the reference)
     num_ctas: int
     attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
 
@@ -149,7 +149,7 @@ def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
     dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)
-    if plan.copy_impl == "cuda":
+    if plan.copy_impl in FFI_IMPLEMENTATIONS:  # one pool of every layer: the offset is in the ids
         src = jnp.where(a.copy, (((layer - 1) * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
     else:
         src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
@@ -158,7 +158,7 @@ def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
 
 def _pool(plan, h, layer):
     l1, b, kh, nb = h.shape[:4]
-    if plan.copy_impl == "cuda":
+    if plan.copy_impl in FFI_IMPLEMENTATIONS:
         return h.reshape(l1 * b * kh * nb, *h.shape[4:])
     return h[layer - 1].reshape(b * kh * nb, *h.shape[4:])
 
@@ -178,6 +178,17 @@ def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: b
                                  implementation=plan.copy_impl)
         out[name] = flat.reshape(c.shape)
     return out
+
+
+def _after_start(started: dict, x):
+    """x, ordered after the copy starts into `started` (XLA schedules by data alone). The
+    barrier holds a one-element slice of each started cache, not the cache: a cache that passes
+    through a barrier is copied by XLA before its wait (copy insertion, for the wait's in-place
+    output), and that copy would read the buffer while the side stream writes it, then hand the
+    wait a buffer its start never wrote ("no copy in flight", seen with the host_ffi twin and on
+    the H200). The slice's read races with the copy, harmlessly: its value is never used."""
+    marks = [c.reshape(-1)[:1] for c in started.values()]
+    return jax.lax.optimization_barrier((marks, x))[1]
 
 
 def _wait_blocks(plan, f: "_Fetched", after) -> dict:
@@ -236,7 +247,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     prefetch = plan.mode == "sparda"
     # the CUDA copy of layer l+1 runs on its own stream during layer l (start ... wait); the
     # reference copy is complete when it returns
-    async_copy = prefetch and plan.copy_impl == "cuda"
+    async_copy = prefetch and plan.copy_impl in FFI_IMPLEMENTATIONS
     pos = positions
     qpos = pos[:, None]
     cos, sin = rope_tables(c, qpos)
@@ -288,8 +299,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         pre = prefetch_next(h0, 1, state.table[0], at(state.cache, 0), at(state.ckeys, 1),
                             None if state.ccis is None else at(state.ccis, 1))
         if async_copy:
-            started, q0 = jax.lax.optimization_barrier((pre.cache, q0))
-            pre = pre.replace(cache=started)
+            q0 = _after_start(pre.cache, q0)
     attn = sparse_attention(q0, l0["k"].astype(q0.dtype), l0["v"].astype(q0.dtype), ids0[:, :, None], qpos,
                             block_size=bs, bias=l0["cis"][..., 0] if "cis" in l0 else None)
     x = layer.apply(v0, x, attn, method="finish")
@@ -316,8 +326,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
             if async_copy:
                 # issue layer l+1's copy before this layer's attention and FFN, then wait for
                 # this layer's (started one layer earlier) as late as possible
-                started, q = jax.lax.optimization_barrier((new_pre.cache, q))
-                new_pre = new_pre.replace(cache=started)
+                q = _after_start(new_pre.cache, q)
                 own = own.replace(cache=_wait_blocks(plan, own, q))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
@@ -333,11 +342,18 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
                    selected=jnp.sum(own.ids >= 0))
         return (x, h, new_pre), out
 
-    # unrolled when copies are in flight across layers: a loop carry may be copied by XLA,
-    # and a copy of a buffer the side stream is still writing would read it half-written.
-    # unroll=True, not the length: with one trip (2 layers) an int unroll of 1 is a while loop,
-    # which on the H200 lost the start's buffer to a carry copy ("already in flight" next step)
-    (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs, unroll=True if async_copy else 1)
+    if async_copy:
+        # a Python loop, not a scan, when copies are in flight across layers: a loop carry may be
+        # copied by XLA, and a copy of a buffer the side stream is still writing would read it
+        # half-written. Not scan(unroll=...) either: a scan of one trip (2 layers) is a while loop
+        # whatever unroll says, and the H200 and the host_ffi twin lost the start's buffer there
+        carry, steps = (x, h0, pre), []
+        for i in range(c.num_layers - 1):
+            carry, y = body(carry, jax.tree.map(lambda a: a[i], xs))
+            steps.append(y)
+        (x, _, pre), ys = carry, jax.tree.map(lambda *a: jnp.stack(a), *steps)
+    else:
+        (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs)
     if async_copy:  # the last layer's prefetch had no tasks; its wait retires the start
         x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre, x)))
     join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)
@@ -378,8 +394,8 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
-    copy_impl: "cuda" (the UVA gather of kernels/copy), "xla" (the reference); None picks cuda
-    on a GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
+    copy_impl: "cuda" (the UVA gather of kernels/copy), "host_ffi" (the same custom calls'
+    CPU twin, for testing their use on the CPU), "xla" (the reference); None picks cuda on a GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
     batch 32, else 32), "auto" the fastest (fewest on a near-tie) of 8..64 CTAs timed once on
     this GPU for a layer's worst-case copy (every slot of every sequence and KV head).
     attention_impl: the block-cache attention's (`sparda_jax.attention.paged_sparse_attention`;

@@ -6,6 +6,10 @@
           `jax.ffi.include_dir()` on first use, cached by source hash);
   "xla"   the reference with the same semantics, plain jnp (runs anywhere; on a GPU it brings
           the whole pool to the device first, so it is only a reference there);
+  "host_ffi" the CPU twin of the "cuda" custom calls (kernels/copy/gather_blocks_host.cc, built
+          with the host C++ compiler): the same targets, operands, aliasing and start/wait
+          bookkeeping, with synchronous memcpy copies. It runs the engine's FFI path on the CPU,
+          so CI sees what XLA does to those calls inside the engine's jit;
   None    "cuda" on a CUDA GPU, else "xla".
 
 `gather_blocks_start` / `gather_blocks_wait`: the same gather split in two, so that it runs
@@ -34,10 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
-           "scatter_blocks_reference", "build_library", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
+           "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
+           "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
            "pick_num_ctas"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
+HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
+HOST_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 # XLA custom-call target -> symbol in the library
 TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": "SpardaGatherStart",
            "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks"}
@@ -122,11 +129,53 @@ def build_library(cache_dir: str | Path | None = None, *, force: bool = False) -
     return out
 
 
+def build_host_library(cache_dir: str | Path | None = None) -> Path:
+    """Compile gather_blocks_host.cc (the CPU twin) with the host C++ compiler, cached like
+    `build_library`."""
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (set CXX); implementation='host_ffi' needs one")
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(HOST_SOURCE.read_bytes() + " ".join(HOST_FLAGS).encode() + include.encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
+    out = cache_dir / f"libsparda_gather_host_{key}.so"
+    if out.is_file():
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [cxx, *HOST_FLAGS, "-I", include, "-o", str(tmp), str(HOST_SOURCE)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{cxx} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+    tmp.replace(out)
+    return out
+
+
 @functools.cache
-def _register() -> None:
-    lib = ctypes.cdll.LoadLibrary(str(build_library()))
+def _host_library() -> ctypes.CDLL:
+    lib = ctypes.cdll.LoadLibrary(str(build_host_library()))
+    lib.sparda_host_copies_in_flight.restype = ctypes.c_int64
+    return lib
+
+
+def host_copies_in_flight() -> int:
+    """"host_ffi": starts not yet matched by their wait (0 between engine steps)."""
+    return int(_host_library().sparda_host_copies_in_flight())
+
+
+def reset_host_copies_in_flight() -> None:
+    """"host_ffi": forget unmatched starts (after a test provoked one)."""
+    _host_library().sparda_host_reset_in_flight()
+
+
+@functools.cache
+def _register(implementation: str) -> None:
+    if implementation == "host_ffi":
+        lib, platform, suffix = _host_library(), "cpu", "Host"
+    else:
+        lib, platform, suffix = ctypes.cdll.LoadLibrary(str(build_library())), "CUDA", ""
     for target, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="CUDA")
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol + suffix)), platform=platform)
 
 
 def _check(pool, src, dst, cache):
@@ -139,11 +188,11 @@ def _check(pool, src, dst, cache):
 
 
 def gather_blocks_reference(pool, src, dst, cache):
-    """cache[dst[i]] = pool[src[i]] for every i with src[i] >= 0 and dst[i] >= 0 (in order;
-    later tasks win)."""
+    """cache[dst[i]] = pool[src[i]] for every i with both indices in range (a task with a
+    negative or too large index is skipped, as the kernels do; in order, later tasks win)."""
     _check(pool, src, dst, cache)
     p = jax.device_put(pool, jax.memory.Space.Device) if _on_host(pool) else pool
-    ok = (src >= 0) & (dst >= 0)
+    ok = (src >= 0) & (src < p.shape[0]) & (dst >= 0)
     rows = p[jnp.clip(src, 0, p.shape[0] - 1)]
     return cache.at[jnp.where(ok, dst, cache.shape[0])].set(rows, mode="drop")
 
@@ -152,11 +201,16 @@ def _on_host(x) -> bool:
     return jax.typeof(x).memory_space == jax.memory.Space.Host
 
 
+FFI_IMPLEMENTATIONS = ("cuda", "host_ffi")
+
+
 def _resolve(implementation):
     if implementation is None:
         implementation = "cuda" if jax.default_backend() == "gpu" else "xla"
-    if implementation not in ("cuda", "xla"):
-        raise ValueError(f"unknown implementation {implementation!r}; expected 'cuda' or 'xla'")
+    if implementation not in ("cuda", "host_ffi", "xla"):
+        raise ValueError(f"unknown implementation {implementation!r}; expected 'cuda', 'host_ffi' or 'xla'")
+    if implementation == "host_ffi" and jax.default_backend() != "cpu":
+        raise ValueError("implementation='host_ffi' is the CPU twin of 'cuda'; it runs on the CPU backend only")
     return implementation
 
 
@@ -168,10 +222,11 @@ def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: 
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
     (device) -> the updated cache. Blocks are whole trailing dims; their byte size must be a
     multiple of 16 for "cuda"."""
-    if _resolve(implementation) == "xla":
+    implementation = _resolve(implementation)
+    if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
     _check(pool, src, dst, cache)
-    _register()
+    _register(implementation)
     call = jax.ffi.ffi_call("sparda_gather_blocks", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={3: 0})
     return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
@@ -184,10 +239,11 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
     `gather_blocks_wait(cache, src, dst, after)` with the same src and dst. resident: XLA's
     stream goes on only once every copy CTA holds its SM (else a persistent GEMM issued next
     can hold all SMs and the copy waits for it)."""
-    if _resolve(implementation) == "xla":
+    implementation = _resolve(implementation)
+    if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
     _check(pool, src, dst, cache)
-    _register()
+    _register(implementation)
     call = jax.ffi.ffi_call("sparda_gather_start", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={3: 0}, has_side_effect=True)
     return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
@@ -197,20 +253,21 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
     """The cache once the copy started into it is complete. src, dst: the start's (kept alive
     for the copy); after: any array the wait must follow in XLA's schedule."""
-    if _resolve(implementation) == "xla":
+    implementation = _resolve(implementation)
+    if implementation == "xla":
         return cache
-    _register()
+    _register(implementation)
     call = jax.ffi.ffi_call("sparda_gather_wait", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
                             input_output_aliases={0: 0}, has_side_effect=True)
     return call(cache, src.astype(jnp.int32), dst.astype(jnp.int32), after)
 
 
 def scatter_blocks_reference(cache, src, dst, pool):
-    """pool[dst[i]] = cache[src[i]] for every i with src[i] >= 0 and dst[i] >= 0 (later tasks win)."""
+    """pool[dst[i]] = cache[src[i]] for every i with both indices in range (later tasks win)."""
     _check(pool, dst, src, cache)
     on_host = _on_host(pool)
     p = jax.device_put(pool, jax.memory.Space.Device) if on_host else pool
-    ok = (src >= 0) & (dst >= 0)
+    ok = (src >= 0) & (src < cache.shape[0]) & (dst >= 0)
     rows = cache[jnp.clip(src, 0, cache.shape[0] - 1)].astype(p.dtype)
     p = p.at[jnp.where(ok, dst, p.shape[0])].set(rows, mode="drop")
     return jax.device_put(p, jax.memory.Space.Host) if on_host else p
@@ -221,10 +278,11 @@ def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, implementation:
     for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]. "cuda" writes only those blocks,
     over UVA, into the pool's own memory (it is aliased to the output); the reference moves the
     whole pool to the device and back."""
-    if _resolve(implementation) == "xla":
+    implementation = _resolve(implementation)
+    if implementation == "xla":
         return scatter_blocks_reference(cache, src, dst, pool)
     _check(pool, dst, src, cache)
-    _register()
+    _register(implementation)
     out = jax.ShapeDtypeStruct(pool.shape, pool.dtype, _memory_space=jax.typeof(pool).memory_space)
     call = jax.ffi.ffi_call("sparda_scatter_blocks", out, input_output_aliases={3: 0})
     return call(cache, src.astype(jnp.int32), dst.astype(jnp.int32), pool, num_ctas=np.int32(num_ctas),

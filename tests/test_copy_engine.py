@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 
+import shutil
+
 from sparda_jax.kernels.copy_engine import (build_library, gather_blocks, gather_blocks_reference,
-                                            gather_blocks_start, gather_blocks_wait, nvcc_path, paper_num_ctas,
-                                            scatter_blocks, scatter_blocks_reference)
+                                            gather_blocks_start, gather_blocks_wait, host_copies_in_flight,
+                                            nvcc_path, paper_num_ctas, reset_host_copies_in_flight, scatter_blocks,
+                                            scatter_blocks_reference)
+
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="no host C++ compiler for the host_ffi twin")
 
 
 def _case(seed, n_pool=40, n_slots=12, n=9, block=(64, 128), dtype=jnp.bfloat16):
@@ -132,3 +138,49 @@ def test_cta_choice_prefers_fewer_on_a_near_tie():
     assert pick_num_ctas({8: 2.0, 16: 1.1, 32: 1.0, 64: 1.01}) == 32
     assert pick_num_ctas({8: 2.0, 16: 1.015, 32: 1.0, 64: 0.99}) == 16  # within 3% of the fastest
     assert pick_num_ctas({16: 1.0}) == 16
+
+
+def _out_of_range(src, dst, n_pool, n_slots):
+    # tasks the kernels skip: an index past the end on either side
+    src, dst = np.asarray(src).copy(), np.asarray(dst).copy()
+    src[0], dst[1] = n_pool + 3, n_slots + 1
+    return jnp.asarray(src), jnp.asarray(dst)
+
+
+@needs_cxx
+def test_host_ffi_twin_equals_the_reference():
+    """The CPU twin of the CUDA custom calls (same targets, operands and aliasing) computes the
+    reference's gather, start/wait and write-back, out-of-range tasks skipped as by the kernel."""
+    pool, src, dst, cache = _case(8, dtype=jnp.float32)
+    src, dst = _out_of_range(src, dst, pool.shape[0], cache.shape[0])
+    want = np.asarray(gather_blocks_reference(pool, src, dst, cache))
+    assert (want != np.asarray(cache)).any()
+    got = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, implementation="host_ffi"))(pool, src, dst, cache)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    sw = jax.jit(lambda p, s, d, c: gather_blocks_wait(gather_blocks_start(p, s, d, c, implementation="host_ffi"),
+                                                        s, d, jnp.ones(2), implementation="host_ffi"))
+    np.testing.assert_array_equal(np.asarray(sw(pool, src, dst, cache)), want)
+    assert host_copies_in_flight() == 0
+    slots, blocks = _out_of_range(dst, src, cache.shape[0], pool.shape[0])
+    sc = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, implementation="host_ffi"))(cache, slots, blocks, pool)
+    np.testing.assert_array_equal(np.asarray(sc), np.asarray(scatter_blocks_reference(cache, slots, blocks, pool)))
+
+
+@needs_cxx
+def test_host_ffi_twin_refuses_broken_pairings():
+    """The start/wait bookkeeping the engine relies on: a wait must get the buffer its start
+    wrote, and a start into a buffer still in flight is refused (the CUDA handlers' messages)."""
+    pool, src, dst, cache = _case(9, dtype=jnp.float32)
+    try:
+        with pytest.raises(Exception, match="wait without start"):
+            jax.block_until_ready(jax.jit(lambda c: gather_blocks_wait(c, src, dst, c, implementation="host_ffi"))(
+                cache))
+        # a start whose wait never comes leaves its buffer registered
+        jax.block_until_ready(jax.jit(lambda c: gather_blocks_start(pool, src, dst, c, implementation="host_ffi"),
+                                      donate_argnums=0)(jnp.array(cache)))
+        assert host_copies_in_flight() == 1
+    finally:
+        reset_host_copies_in_flight()
+    assert host_copies_in_flight() == 0
+    with pytest.raises(ValueError, match="CPU backend only|unknown"):
+        gather_blocks(pool, src, dst, cache, implementation="host-ffi")

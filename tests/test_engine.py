@@ -87,6 +87,50 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode):
 
 
 @pytest.mark.parametrize("mode", ["sparse", "sparda"])
+def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
+    """The CUDA path's custom calls run by their CPU twin (kernels/copy/gather_blocks_host.cc):
+    what XLA does to the start/wait pairs inside the engine's jit is checked here, in CI. Every
+    start's buffer must reach its own wait (none left in flight after a step)."""
+    from sparda_jax.kernels.copy_engine import host_copies_in_flight
+
+    ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30)
+    assert host_copies_in_flight() == 0
+    ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
+    np.testing.assert_allclose(ffi, ref, atol=2e-5)
+    assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+
+
+def test_host_ffi_prefetch_with_two_layers_in_bf16():
+    """The configuration that failed on the H200 ("a copy into this cache is already in
+    flight"): 2 layers, so one layer-1 copy started in layer 0 and one dummy start in layer 1.
+    Before the engine stopped passing started caches through an optimization barrier, XLA
+    copied them ahead of their waits and this raised "wait without start"."""
+    from sparda_jax import SparseConfig
+    from sparda_jax.kernels.copy_engine import host_copies_in_flight
+
+    cfg = TINY.replace(num_layers=2, head_dim=64, sparse=SparseConfig(block_size=16, local_blocks=1, topk=4,
+                                                                      dense_len=0, kernel_size=16, kernel_stride=8))
+    params, fc = init_model(cfg, jax.random.key(0)), init_forecast(cfg, jax.random.key(1))
+    tok = jax.random.randint(jax.random.key(2), (2, 200), 0, cfg.vocab_size)
+    lengths = jnp.array([90, 71], jnp.int32)
+    outs = {}
+    for impl in ("host_ffi", "xla"):
+        _, st = engine_prefill(params, tok[:, :90], lengths, cfg, mode="sparda", cache_size=160, forecast=fc,
+                               dtype=jnp.bfloat16)
+        p, res = lengths, []
+        for _ in range(20):  # crosses a block boundary: completed blocks go to the host
+            logits, st, _ = engine_decode_step(params, tok[jnp.arange(2), p], p, st, cfg, mode="sparda",
+                                               forecast=fc, dtype=jnp.bfloat16, copy_impl=impl)
+            res.append(logits)
+            p = p + 1
+        outs[impl] = np.asarray(jnp.stack(res).astype(jnp.float32))
+        if impl == "host_ffi":
+            assert host_copies_in_flight() == 0
+    # the same copies in the same order: only bf16 fusion differences between the two programs
+    np.testing.assert_allclose(outs["host_ffi"], outs["xla"], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("mode", ["sparse", "sparda"])
 def test_offload_equals_resident_nosa(setup_nosa, mode):
     """NOSA: the cis stage of selection and the cis attention bias travel with the blocks."""
     resident, _, _ = _run(setup_nosa, mode, resident=True, config=TINY_NOSA)

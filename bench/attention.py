@@ -37,6 +37,7 @@ from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_
 from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
+from sparda_jax.metrics import tile_union
 from sparda_jax.select import select_blocks_forecast
 
 __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plot", "table"]
@@ -84,17 +85,6 @@ def attended_keys(ids, positions, *, block_size):
     sees in its selected blocks (causal inside its own block)."""
     n = jnp.clip(positions[:, None, :, None] - ids * block_size + 1, 0, block_size)
     return jnp.sum(jnp.where(ids >= 0, n, 0), axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("tile",))
-def tile_union(ids, *, tile):
-    """Distinct blocks selected by `tile` consecutive queries, [B, K, Tq // tile]: the blocks a
-    prefill kernel tile of those queries must walk."""
-    b, kh, t, n = ids.shape
-    nt = t // tile
-    x = jnp.sort(ids[:, :, : nt * tile].reshape(b, kh, nt, tile * n), axis=-1)
-    first = jnp.concatenate([jnp.ones_like(x[..., :1], bool), x[..., 1:] != x[..., :-1]], axis=-1)
-    return jnp.sum(first & (x >= 0), axis=-1)
 
 
 def _rand(key, shape):

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.infinigen import CALIBRATION_TOKENS
-from sparda_jax.metrics import attention_mass, recall_counts
+from sparda_jax.metrics import attention_mass, recall_counts, tile_blowup
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
 
@@ -31,6 +31,11 @@ __all__ = ["eval_selection", "markdown_table"]
 
 
 @functools.partial(jax.jit, static_argnames=("sparse",))
+# tokens per tile of the prefill kernel (kernels/sparse_prefill.tile_tokens_for): MiniCPM4.1's
+# group of 16 heads gives 4 ("simple") and 8 ("ws"); SmolLM2's group of 3 gives 16 and 32
+TILES = (4, 8, 16)
+
+
 def _layer_metrics(ids, oracle, q, k, pos, sparse):
     """Per layer (leading L axis): recall hits, recall total, captured attention mass."""
 
@@ -72,6 +77,7 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
             hits = np.zeros(c.num_layers)
             total = np.zeros(c.num_layers)
             mass = np.zeros(c.num_layers)
+            blowup = {tt: [] for tt in TILES}
             t0 = time.perf_counter()
             for s in seqs:
                 tokens = jnp.asarray([s], jnp.int32)
@@ -88,6 +94,8 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
                     hits += np.asarray(h_)
                     total += np.asarray(t_)
                     mass += np.asarray(m_) / n_seqs
+                    for tt in TILES:  # every layer's selection, as the prefill kernel sees it
+                        blowup[tt].append(float(jnp.mean(jax.lax.map(lambda i: tile_blowup(i, tile=tt), aux["ids"]))))
                 bar.update(1)
             all_ = np.concatenate(nll_all)
             late = np.concatenate(nll_late)
@@ -109,6 +117,7 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
                 row["recall_per_layer"] = [None if math.isnan(x) else round(float(x), 4) for x in per_layer]
                 row["attention_mass"] = float(mass.mean())
                 row["attention_mass_per_layer"] = [round(float(x), 4) for x in mass]
+                row["tile_union_over_selected"] = {str(tt): float(np.mean(v)) for tt, v in blowup.items()}
             rows.append(row)
             if on_row is not None:
                 on_row(_result(c, rows, ig))

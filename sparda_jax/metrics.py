@@ -1,7 +1,9 @@
-"""Selection quality: block recall against an oracle selection, and captured attention mass."""
+"""Selection quality: block recall against an oracle selection, captured attention mass, and the
+block union of neighbouring queries (what a prefill kernel tile walks)."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -10,7 +12,7 @@ import jax.numpy as jnp
 from .attention import NEG_INF
 from .config import SparseConfig
 
-__all__ = ["forced_mask", "recall_counts", "block_recall", "attention_mass"]
+__all__ = ["forced_mask", "recall_counts", "block_recall", "attention_mass", "tile_union", "tile_blowup"]
 
 
 def forced_mask(ids, q_positions, sparse: SparseConfig):
@@ -67,3 +69,25 @@ def attention_mass(q, k, ids, q_positions, *, block_size: int, chunk: int = 64) 
                        .reshape(b, kh, n, chunk, ids.shape[-1]), 2, 0)
     mass, count = jax.lax.map(one, (qs, ps, is_))
     return jnp.sum(mass) / jnp.sum(count)
+
+
+@functools.partial(jax.jit, static_argnames=("tile",))
+def tile_union(ids, *, tile):
+    """Distinct blocks selected by `tile` consecutive queries, [B, K, Tq // tile]: the blocks a
+    prefill kernel tile of those queries must walk (kernels/sparse_prefill.py)."""
+    b, kh, t, n = ids.shape
+    nt = t // tile
+    x = jnp.sort(ids[:, :, : nt * tile].reshape(b, kh, nt, tile * n), axis=-1)
+    first = jnp.concatenate([jnp.ones_like(x[..., :1], bool), x[..., 1:] != x[..., :-1]], axis=-1)
+    return jnp.sum(first & (x >= 0), axis=-1)
+
+
+def tile_blowup(ids, *, tile):
+    """Mean over tiles of `tile` consecutive queries of (blocks in their union) / (blocks one of
+    them selects, on average): 1 when neighbours choose the same blocks, `tile` when they share
+    none. It scales the prefill kernel's work over the attended blocks (ids int [B, K, Tq, n])."""
+    b, kh, t, n = ids.shape
+    nt = t // tile
+    per_row = jnp.sum(ids[:, :, : nt * tile] >= 0, axis=-1).reshape(b, kh, nt, tile).mean(-1)
+    u = tile_union(ids, tile=tile)
+    return jnp.sum(jnp.where(per_row > 0, u / jnp.maximum(per_row, 1), 0)) / jnp.maximum(jnp.sum(per_row > 0), 1)

@@ -175,3 +175,25 @@ def test_attention_mass_all_and_none():
     p /= p.sum(-1, keepdims=True)
     expected = p[..., :8].sum(-1).mean()
     assert float(attention_mass(q, k, only0, pos, block_size=8)) == pytest.approx(expected, rel=1e-5)
+
+
+def test_tile_union_and_blowup_against_python_sets():
+    """The block union of neighbouring queries (what a prefill kernel tile walks), checked on
+    random selections with -1 padding against Python sets."""
+    from sparda_jax.metrics import tile_blowup, tile_union
+
+    rng = np.random.default_rng(3)
+    ids = rng.integers(0, 12, size=(2, 3, 16, 5))
+    ids[rng.random(ids.shape) < 0.3] = -1
+    ids[0, 0, :4] = -1  # a tile with nothing selected counts in neither mean
+    for tile in (4, 8):
+        got = np.asarray(tile_union(jnp.asarray(ids), tile=tile))
+        ratios = []
+        for b, k, j in np.ndindex(2, 3, 16 // tile):
+            rows = ids[b, k, j * tile:(j + 1) * tile]
+            union = {int(x) for x in rows.ravel() if x >= 0}
+            assert got[b, k, j] == len(union)
+            per_row = np.mean([(r >= 0).sum() for r in rows])
+            if per_row > 0:
+                ratios.append(len(union) / per_row)
+        assert abs(float(tile_blowup(jnp.asarray(ids), tile=tile)) - np.mean(ratios)) < 1e-5

@@ -30,12 +30,12 @@ from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
 __all__ = ["eval_selection", "markdown_table"]
 
 
-@functools.partial(jax.jit, static_argnames=("sparse",))
 # tokens per tile of the prefill kernel (kernels/sparse_prefill.tile_tokens_for): MiniCPM4.1's
 # group of 16 heads gives 4 ("simple") and 8 ("ws"); SmolLM2's group of 3 gives 16 and 32
 TILES = (4, 8, 16)
 
 
+@functools.partial(jax.jit, static_argnames=("sparse",))
 def _layer_metrics(ids, oracle, q, k, pos, sparse):
     """Per layer (leading L axis): recall hits, recall total, captured attention mass."""
 

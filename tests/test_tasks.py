@@ -235,3 +235,19 @@ def test_report_takes_a_cell_from_the_last_file_that_has_it(tmp_path):
     assert [s["complete"] for s in sources] == [False, True]
     assert report.main([str(tmp_path / "o.md"), str(a), str(b)]) == 0
     assert "cut by its time limit" in (tmp_path / "o.md").read_text()
+
+
+def test_selection_suite_end_to_end(smollm2):
+    """The selection suite on real text past the budget (2K tokens, 24 blocks of 32 chosen):
+    InfLLM-V2 is its own oracle, the Forecast is not, and the tile union is between its bounds."""
+    from sparda_jax.eval.selection import TILES, eval_selection
+
+    r = eval_selection(smollm2, lengths=(2048,), n_seqs=1, modes=("sparse", "sparda"), progress=False)
+    rows = {x["mode"].split(" ")[0]: x for x in r["rows"]}
+    assert rows["sparse"]["recall"] == 1.0 and 0 < rows["sparda"]["recall"] < 1
+    for x in rows.values():
+        assert np.isfinite(x["ppl"]) and 0 < x["attention_mass"] <= 1
+        u = x["tile_union_over_selected"]
+        assert set(u) == {str(t) for t in TILES}
+        # 1: a tile's tokens share every block; the tile size: they share none
+        assert all(1.0 <= u[str(t)] <= t for t in TILES) and u["4"] <= u["8"] <= u["16"]

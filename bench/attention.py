@@ -25,6 +25,7 @@ worst case for the prefill kernel's per-tile block union, which is measured and 
 from __future__ import annotations
 
 import functools
+import math
 import sys
 
 import jax
@@ -72,9 +73,23 @@ def _shape_json(shape: dict) -> dict:
             "local_blocks": s.local_blocks, "compression": [s.kernel_size, s.kernel_stride]}
 
 
-@functools.partial(jax.jit, static_argnames=("sparse", "n_blocks"))
-def _forecast_ids(key, k, positions, *, sparse, n_blocks):
-    f = jax.random.normal(key, (*positions.shape, k.shape[2], k.shape[3]), BF16)
+def correlated_normal(key, shape, rho: float, dtype=BF16):
+    """Standard normal [B, T, ...] whose rows follow x_t = rho x_(t-1) + sqrt(1 - rho^2) e_t along
+    T: neighbouring queries alike, as a trained model's are (rho = 0: independent rows)."""
+    e = jax.random.normal(key, shape, jnp.float32)
+    if rho == 0.0:
+        return e.astype(dtype)
+    e = e.at[:, 1:].multiply(math.sqrt(1.0 - rho * rho))
+    a = jnp.full(shape[:2] + (1,) * (len(shape) - 2), rho, jnp.float32).at[:, 0].set(0.0)
+    # a linear recurrence as an associative scan: (a1, b1) then (a2, b2) is (a1 a2, a2 b1 + b2)
+    _, x = jax.lax.associative_scan(lambda l, r: (l[0] * r[0], r[0] * l[1] + r[1]),
+                                    (jnp.broadcast_to(a, shape), e), axis=1)
+    return x.astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("sparse", "n_blocks", "rho"))
+def _forecast_ids(key, k, positions, *, sparse, n_blocks, rho: float = 0.0):
+    f = correlated_normal(key, (*positions.shape, k.shape[2], k.shape[3]), rho)
     kc = compress_keys(k, sparse.kernel_size, sparse.kernel_stride)
     return select_blocks_forecast(f, kc, positions, sparse, n_blocks=n_blocks)
 
@@ -114,15 +129,17 @@ def _best(variants: dict, names, key: str, larger: bool = True):
 
 def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VARIANTS, repeats: int = 3,
                  timed_queries: int | None = 2048, max_s: float = 3.0, budget: Budget | None = None,
-                 check_rows: int = 64, seed: int = 0, out_rec: dict | None = None, snapshot=None) -> dict:
-    """One prefill layer at context t, batch b. `out_rec` (filled per variant) and `snapshot()`
+                 check_rows: int = 64, seed: int = 0, out_rec: dict | None = None, snapshot=None,
+                 query_correlation: float = 0.0) -> dict:
+    """One prefill layer at context t, batch b; the Forecast queries choosing the blocks are
+    AR(1) along positions with `query_correlation` (`correlated_normal`). `out_rec` (filled per variant) and `snapshot()`
     (called after each) let the caller save partial results."""
     h, kh, d, sp = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["sparse"]
     g, bs = h // kh, sp.block_size
     kq, kk, kv, kf = jax.random.split(jax.random.key(seed * 7919 + t + b), 4)
     q, k, v = _rand(kq, (b, t, h, d)), _rand(kk, (b, t, kh, d)), _rand(kv, (b, t, kh, d))
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    ids = jax.block_until_ready(_forecast_ids(kf, k, pos, sparse=sp, n_blocks=-(-t // bs)))
+    ids = jax.block_until_ready(_forecast_ids(kf, k, pos, sparse=sp, n_blocks=-(-t // bs), rho=query_correlation))
 
     att = np.asarray(attended_keys(ids, pos, block_size=bs)).astype(np.int64)  # [b, kh, t]
     # The prefill kernel's tile: 2 warpgroups of 64 rows = 128 // G tokens x G heads.
@@ -328,7 +345,8 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
 def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072), batch: int = 4,
                     decode_batches=(16, 64), repeats: int = 3, variants=None, timed_queries: int = 2048,
                     decode_steps: int = 8, budget_s: float | None = 140.0, max_s: float = 3.0,
-                    matmul_n: int = 8192, copy_mib: int = 2048, seed: int = 0, out=None, log=None) -> dict:
+                    matmul_n: int = 8192, copy_mib: int = 2048, seed: int = 0, query_correlation: float = 0.0,
+                    decode: bool = True, out=None, log=None) -> dict:
     """Runs the prefill and decode cases; with `out`, the JSON is rewritten after every variant
     ("complete": false until the end) so a crash keeps what was measured."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -345,7 +363,13 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
               "decode_steps_per_call": decode_steps, "budget_s": budget_s, "dtype": "bfloat16",
               "block_ids_source": "select_blocks_forecast (XLA) on random bf16 Forecast queries and the "
                                   "compressed random keys: random weights choose nearly random content "
-                                  "blocks beyond the forced init/local ones (no realistic pattern assumed)",
+                                  "blocks beyond the forced init/local ones (no realistic pattern assumed)"
+                                  if query_correlation == 0 else
+                                  f"select_blocks_forecast (XLA) on Forecast queries AR(1) along positions, "
+                                  f"rho = {query_correlation} (bench.attention.correlated_normal): neighbouring "
+                                  f"tokens choose alike, as on real text; rho 0.99 gives the tile union that "
+                                  f"SmolLM2's own selections show (eval/results/tile_union_smollm2.json)",
+              "query_correlation": query_correlation,
               "flop_counts": "sparse: 4 * D * H * (keys each query attends in its blocks, causal); dense: "
                              "4 * B * H * D * T^2 / 2; slice variants count their own queries",
               "slice_note": "xla / dense_xla are timed on `timed_queries` queries in runs of 512 spread "
@@ -376,14 +400,16 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
         log(f"[attention] {phase} T={t} B={b} done at {budget.elapsed():.0f} s")
 
     for t in lengths:
-        run("prefill", t, batch, prefill_case, variants=pv, timed_queries=timed_queries)
-    for t in lengths:
+        run("prefill", t, batch, prefill_case, variants=pv, timed_queries=timed_queries,
+            query_correlation=query_correlation)
+    for t in lengths if decode else ():
         for b in decode_batches:
             run("decode", t, b, decode_case, variants=dv, steps=decode_steps)
     for c in r["prefill"]:
         if "ratio_sparse_over_dense_tflops" in c:
             v = c["variants"][c["best_sparse"]]
-            r["claims"].append({"claim": f"prefill T={c['T']}: sparse effective TFLOP/s / dense TFLOP/s",
+            rho = f" (queries AR(1), rho {query_correlation})" if query_correlation else ""
+            r["claims"].append({"claim": f"prefill T={c['T']}{rho}: sparse effective TFLOP/s / dense TFLOP/s",
                                 "value": c["ratio_sparse_over_dense_tflops"], "target": PREFILL_TARGET,
                                 "met": c["met"], "sparse": c["best_sparse"], "dense": c["best_dense"],
                                 "achieved_over_floor": v.get("achieved_over_floor"),
@@ -464,7 +490,8 @@ def main(args) -> int:
                         batch=args.batch or 4, decode_batches=tuple(args.decode_batches or (16, 64)),
                         repeats=args.repeats, variants=args.variants, timed_queries=args.timed_queries or 2048,
                         decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
-                        matmul_n=args.matmul_n, copy_mib=args.copy_mib, out=out)
+                        matmul_n=args.matmul_n, copy_mib=args.copy_mib,
+                        query_correlation=args.query_correlation, decode=not args.prefill_only, out=out)
     try:
         plot(out)
     except Exception as e:  # noqa: BLE001 - a plot must not lose the measured JSON

@@ -303,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
     bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")
+    bn.add_argument("--query-correlation", type=float, default=0.0,
+                    help="attention: AR(1) correlation along positions of the queries that choose the prefill "
+                         "blocks (0: independent; 0.99: the tile union of SmolLM2's real selections)")
+    bn.add_argument("--prefill-only", action="store_true", help="attention: skip the decode cases")
     bn.add_argument("--budget-s", type=float,
                     help="skip configurations started after this many seconds (select/attention 140, decode 200, "
                          "prefill 130, cta 90)")

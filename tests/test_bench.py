@@ -2,6 +2,8 @@
 
 import math
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.bench.train_step import bench_train_step
@@ -57,6 +59,25 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     assert "| prefill | 512 | 2 | xla* |" in table(r)
     out = plot(tmp_path / "attention.json")
     assert out is None or out.endswith("attention.png")
+
+
+def test_correlated_queries_are_unit_ar1_and_shrink_the_tile_union(tmp_path):
+    from sparda_jax.bench.attention import bench_attention, correlated_normal
+
+    x = np.asarray(correlated_normal(jax.random.key(0), (4, 5000, 2), 0.9, jnp.float32))
+    # 40000 pairs: the sample correlation and variance are within ~0.01 of their values
+    assert abs(np.corrcoef(x[:, 1:].ravel(), x[:, :-1].ravel())[0, 1] - 0.9) < 0.02
+    assert abs(x.std() - 1.0) < 0.03 and abs(x[:, 0].std() - 1.0) < 0.5
+    lag5 = np.corrcoef(x[:, 5:].ravel(), x[:, :-5].ravel())[0, 1]
+    assert abs(lag5 - 0.9**5) < 0.03  # an AR(1), not just neighbours alike
+    unions = {}
+    for rho in (0.0, 0.99):
+        r = bench_attention("tiny", variants=("xla",), timed_queries=256, query_correlation=rho, decode=False,
+                            **_tiny_kw(tmp_path, f"a{rho}"))
+        (p,) = r["prefill"]
+        assert not r["decode"] and r["config"]["query_correlation"] == rho and p["variants"]["xla"]["check"]["passed"]
+        unions[rho] = p["union_mean_tile8"]
+    assert unions[0.99] < unions[0.0]  # neighbours alike choose alike
 
 
 def test_select_bench_smoke_on_cpu(tmp_path):

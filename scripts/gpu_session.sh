@@ -13,6 +13,10 @@ for stage in "$@"; do
       timeout 200 python3 -m sparda_jax.cli bench copy --repeats 10 --sizes 1 8 32 --out "$OUT/copy.json" 2>&1 | tail -30 ;;
     attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;
+    attention-rho)  # prefill kernels vs cuDNN on selections as alike between neighbours as real ones
+                    # (rho 0.99: SmolLM2's tile union, eval/results/tile_union_smollm2.json)
+      timeout 200 python3 -m sparda_jax.cli bench attention --prefill-only --query-correlation 0.99 \
+        --variants cudnn mosaic_gpu mosaic_gpu@simple --out "$OUT/attention_rho099.json" 2>&1 | tail -12 ;;
     select)      # bench: Forecast vs InfLLM-V2 selectors (prefill ~120 s, then decode)
       timeout 240 python3 -m sparda_jax.cli bench select --out "$OUT/select.json" 2>&1 | tail -30 ;;
     decode)      # bench: the engine's systems, decode tokens/s vs batch at 128K (Table 4); the reuse

@@ -38,7 +38,7 @@ from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_
 from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
-from sparda_jax.metrics import tile_union
+from sparda_jax.metrics import tile_blowup, tile_union
 from sparda_jax.select import select_blocks_forecast
 
 __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plot", "table"]
@@ -239,6 +239,8 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
         "T": t, "batch": b,
         "attended_keys_mean": float(att.mean()), "selected_blocks_mean": float(n_ids.mean()),
         "union_mean_by_tile_tokens": {str(tt): float(u.mean()) for tt, u in unions.items()},
+        # the union over what one token selects, as eval.selection reports it for a real model
+        "tile_union_over_selected": {str(tt): float(tile_blowup(ids, tile=tt)) for tt in unions},
         "union_mean_tile8": float(u8.mean()), "union_tile8_over_topk": float(u8.mean()) / sp.topk,
         "flops_attended": flops_att, "flops_union_walk_by_tile_tokens": {str(tt): f for tt, f in flops_union.items()},
         "flops_dense_causal": flops_dense,

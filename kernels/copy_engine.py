@@ -107,48 +107,39 @@ def nvcc_path() -> str | None:
     return None
 
 
+def _compile(compiler: str, flags, source: Path, name: str, cache_dir, force: bool) -> Path:
+    """source -> a shared library in the cache, keyed by source, flags and FFI headers."""
+    include = jax.ffi.include_dir()
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + include.encode()).hexdigest()[:16]
+    cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
+    out = cache_dir / f"{name}_{key}.so"
+    if out.is_file() and not force:
+        return out
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [compiler, *flags, "-I", include, "-o", str(tmp), str(source)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{Path(compiler).name} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
+    tmp.replace(out)  # atomic: concurrent builders never see a partial file
+    return out
+
+
 def build_library(cache_dir: str | Path | None = None, *, force: bool = False) -> Path:
     """Compile gather_blocks.cu into a shared library (cached by source hash and flags)."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise RuntimeError("nvcc not found (set NVCC or CUDA_HOME); the CUDA copy engine needs it, "
                            "implementation='xla' does not")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(NVCC_FLAGS).encode() + include.encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
-    out = cache_dir / f"libsparda_gather_{key}.so"
-    if out.is_file() and not force:
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [nvcc, *NVCC_FLAGS, "-I", include, "-o", str(tmp), str(SOURCE)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
-    tmp.replace(out)  # atomic: concurrent builders never see a partial file
-    return out
+    return _compile(nvcc, NVCC_FLAGS, SOURCE, "libsparda_gather", cache_dir, force)
 
 
-def build_host_library(cache_dir: str | Path | None = None) -> Path:
-    """Compile gather_blocks_host.cc (the CPU twin) with the host C++ compiler, cached like
-    `build_library`."""
+def build_host_library(cache_dir: str | Path | None = None, *, force: bool = False) -> Path:
+    """Compile gather_blocks_host.cc (the CPU twin) with the host C++ compiler, cached alike."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (set CXX); implementation='host_ffi' needs one")
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256(HOST_SOURCE.read_bytes() + " ".join(HOST_FLAGS).encode() + include.encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
-    out = cache_dir / f"libsparda_gather_host_{key}.so"
-    if out.is_file():
-        return out
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [cxx, *HOST_FLAGS, "-I", include, "-o", str(tmp), str(HOST_SOURCE)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"{cxx} failed ({' '.join(cmd)}):\n{r.stderr[-4000:]}")
-    tmp.replace(out)
-    return out
+    return _compile(cxx, HOST_FLAGS, HOST_SOURCE, "libsparda_gather_host", cache_dir, force)
 
 
 @functools.cache

@@ -395,7 +395,8 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
     copy_impl: "cuda" (the UVA gather of kernels/copy), "host_ffi" (the same custom calls'
-    CPU twin, for testing their use on the CPU), "xla" (the reference); None picks cuda on a GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
+    CPU twin, for testing their use on the CPU), "xla" (the reference); None picks cuda on a
+    GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
     batch 32, else 32), "auto" the fastest (fewest on a near-tie) of 8..64 CTAs timed once on
     this GPU for a layer's worst-case copy (every slot of every sequence and KV head).
     attention_impl: the block-cache attention's (`sparda_jax.attention.paged_sparse_attention`;

@@ -17,6 +17,9 @@ __all__ = ["main"]
 _DTYPES = ("float32", "bfloat16")
 
 
+
+EVAL_MODES = ("dense", "sparse", "infinigen", "sparda")  # the eval tables' column order
+
 def _load(args):
     import jax.numpy as jnp
 
@@ -109,7 +112,7 @@ def _cmd_eval(args) -> int:
     if args.suite == "selection":
         from .eval.selection import eval_selection, markdown_table
 
-        result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes),
+        result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes or EVAL_MODES),
                                 forecast=forecast, **common)
         table = markdown_table(result)
         intro = (f"Budget {result['budget']}; {args.seqs} windows per length of {result['text']}.\n"
@@ -118,9 +121,10 @@ def _cmd_eval(args) -> int:
                  "all layers; mass = dense attention probability inside the selected blocks.\n")
     elif args.suite == "tasks":
         from .eval.accuracy import eval_tasks, plot_tasks, tasks_markdown
+        from .eval.tasks import TASKS
 
-        result = eval_tasks(model, tasks=tuple(args.tasks), lengths=tuple(args.lengths), samples=args.samples,
-                            modes=tuple(args.modes), forecast=forecast, **common)
+        result = eval_tasks(model, tasks=tuple(args.tasks or TASKS), lengths=tuple(args.lengths),
+                            samples=args.samples, modes=tuple(args.modes or EVAL_MODES), forecast=forecast, **common)
         table = tasks_markdown(result)
         intro = (f"Budget {result['budget']}; haystacks from the {result['text']}; greedy answers of up to 40 "
                  f"tokens.\n")
@@ -130,7 +134,8 @@ def _cmd_eval(args) -> int:
         from .eval.budget import budget_markdown, eval_budget
 
         result = eval_budget(model, topks=tuple(args.topks), length=args.lengths[0], samples=args.samples,
-                             seqs=args.seqs, **common)
+                             seqs=args.seqs, modes=tuple(args.modes or ("sparse", "sparda")),
+                             tasks=tuple(args.tasks or ("niah_single", "copy")), **common)
         table = budget_markdown(result)
         intro = f"Budget sweep at {args.lengths[0]} tokens.\n"
     save(result, True)
@@ -246,10 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                                     "perplexity and selection quality, or a budget sweep")
     model_args(e)
     e.add_argument("--suite", choices=["tasks", "selection", "budget"], default="tasks")
-    e.add_argument("--modes", nargs="+", default=["dense", "sparse", "infinigen", "sparda"])
+    e.add_argument("--modes", nargs="+", help="default: dense sparse infinigen sparda (budget suite: sparse sparda)")
     e.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
-    e.add_argument("--tasks", nargs="+", default=["niah_single", "niah_multikey", "niah_multivalue",
-                                                  "niah_multiquery", "vt", "cwe", "fwe", "copy"])
+    e.add_argument("--tasks", nargs="+", help="default: every task (budget suite: niah_single copy)")
     e.add_argument("--samples", type=int, default=20, help="samples per (task, length, mode) cell")
     e.add_argument("--seqs", type=int, default=4, help="selection suite: windows of held-out text per length")
     e.add_argument("--topks", type=int, nargs="+", default=[12, 16, 24, 32], help="budget suite: block budgets")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -86,6 +87,11 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode):
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="no host C++ compiler for the host_ffi twin")
+
+
+@needs_cxx
 @pytest.mark.parametrize("mode", ["sparse", "sparda"])
 def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
     """The CUDA path's custom calls run by their CPU twin (kernels/copy/gather_blocks_host.cc):
@@ -100,6 +106,7 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 
+@needs_cxx
 def test_host_ffi_prefetch_with_two_layers_in_bf16():
     """The configuration that failed on the H200 ("a copy into this cache is already in
     flight"): 2 layers, so one layer-1 copy started in layer 0 and one dummy start in layer 1.

@@ -25,7 +25,7 @@ def eval_budget(model: Pretrained, *, topks=(12, 16, 24, 32), length: int = 4096
             acc = eval_tasks(model, tasks=tasks, lengths=(length,), samples=samples, modes=modes, seed=seed,
                              progress=progress)
             for r in sel["rows"]:
-                rows.append({"topk": topk, "kind": "selection", **r})
+                rows.append({"topk": topk, "kind": "selection", **r, "mode": _label(r["mode"])})
             for r in acc["rows"]:
                 rows.append({"topk": topk, "kind": "task", **r})
             if on_row is not None:
@@ -35,7 +35,13 @@ def eval_budget(model: Pretrained, *, topks=(12, 16, 24, 32), length: int = 4096
     return {"model": base.name, "length": length, "rows": rows, "samples_per_cell": samples, "seqs": seqs}
 
 
+def _label(mode: str) -> str:
+    # the selection suite says "sparda (trained)" where the task suite says "sparda"; one row each
+    return mode.replace(" (trained)", "")
+
+
 def budget_markdown(result: dict) -> str:
+    result = dict(result, rows=[dict(r, mode=_label(r["mode"])) for r in result["rows"]])
     modes = list(dict.fromkeys(r["mode"] for r in result["rows"]))
     tasks = list(dict.fromkeys(r["task"] for r in result["rows"] if r["kind"] == "task"))
     head = "| topk | mode | ppl | recall | " + " | ".join(f"{t} %" for t in tasks) + " |"

@@ -251,3 +251,17 @@ def test_selection_suite_end_to_end(smollm2):
         assert set(u) == {str(t) for t in TILES}
         # 1: a tile's tokens share every block; the tile size: they share none
         assert all(1.0 <= u[str(t)] <= t for t in TILES) and u["4"] <= u["8"] <= u["16"]
+
+
+def test_budget_table_joins_the_suites_rows_per_mode():
+    from sparda_jax.eval.budget import budget_markdown
+
+    rows = []
+    for topk, rec, em in ((12, 0.655, 0.559), (24, 0.867, 0.595)):
+        rows += [{"topk": topk, "kind": "selection", "mode": "sparse", "ppl": 10.2, "recall": 1.0},
+                 {"topk": topk, "kind": "selection", "mode": "sparda (trained)", "ppl": 10.3, "recall": rec},
+                 {"topk": topk, "kind": "task", "mode": "sparse", "task": "copy", "em": 0.6},
+                 {"topk": topk, "kind": "task", "mode": "sparda", "task": "copy", "em": em}]
+    lines = budget_markdown({"rows": rows}).splitlines()
+    assert "| 12 | sparda | 10.300 | 0.655 | 55.9 |" in lines and "| 24 | sparda | 10.300 | 0.867 | 59.5 |" in lines
+    assert len(lines) == 2 + 4  # header, rule, (sparse, sparda) x 2 budgets

@@ -34,7 +34,7 @@ import numpy as np
 
 from sparda_jax.attention import (dense_attention, dense_attention_reference, sparse_attention,
                                   sparse_attention_reference)
-from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
+from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, measure, query_slice, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
@@ -494,9 +494,4 @@ def main(args) -> int:
                         decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
                         matmul_n=args.matmul_n, copy_mib=args.copy_mib,
                         query_correlation=args.query_correlation, decode=not args.prefill_only, out=out)
-    try:
-        plot(out)
-    except Exception as e:  # noqa: BLE001 - a plot must not lose the measured JSON
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(table(r))
-    return 0
+    return plot_and_print(r, out, plot, table)

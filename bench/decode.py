@@ -42,7 +42,7 @@ import numpy as np
 
 from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, build_state, feasibility, kwargs_for,
                                            make_extras, make_params, row_tokens, weights_bytes)
-from sparda_jax.bench.timing import Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
+from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import OFFLOAD_MODES, RESIDENT_MODES, engine_decode_step, selector_of
 from sparda_jax.modes import decode_step
@@ -585,9 +585,4 @@ def main(args) -> int:
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0, out=out)
         printer = table
-    try:
-        plot(out)
-    except Exception as e:  # noqa: BLE001 - a plot must not lose the measured JSON
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(printer(r))
-    return 0
+    return plot_and_print(r, out, plot, printer)

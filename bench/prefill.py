@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from sparda_jax.bench.engine_state import BF16, bench_config, kwargs_for, make_extras, make_params
-from sparda_jax.bench.timing import Budget, measure, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
+from sparda_jax.bench.timing import plot_and_print, Budget, measure, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import selector_of
 from sparda_jax.modes import forward
@@ -219,9 +219,4 @@ def main(args) -> int:
     r = bench_prefill(args.preset, lengths=tuple(args.lengths or (131072, 65536, 32768)), batch=b,
                       systems=tuple(args.modes or SYSTEMS), layers=args.layers or 2, repeats=args.repeats,
                       budget_s=args.budget_s if args.budget_s is not None else 130.0, out=out)
-    try:
-        plot(out)
-    except Exception as e:  # noqa: BLE001
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(table(r))
-    return 0
+    return plot_and_print(r, out, plot, table)

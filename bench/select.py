@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.bench.attention import decode_case, model_shape, prefill_case, _shape_json
-from sparda_jax.bench.timing import Budget, ceilings, measure, query_slice, unavailable, write_json, claim_lines, pyplot_and_result, save_png
+from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, measure, query_slice, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.compress import compress_keys, num_chunks
 from sparda_jax.envinfo import environment
 from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
@@ -368,9 +368,4 @@ def main(args) -> int:
                      variants=args.variants, timed_queries=args.timed_queries or 8192,
                      decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
                      matmul_n=args.matmul_n, copy_mib=args.copy_mib, out=out)
-    try:
-        plot(out)
-    except Exception as e:  # noqa: BLE001 - a plot must not lose the measured JSON
-        print(f"plot failed: {e}", file=sys.stderr)
-    print(table(r))
-    return 0
+    return plot_and_print(r, out, plot, table)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -192,3 +193,14 @@ def save_png(plt, fig, json_path) -> str:
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return out
+
+
+def plot_and_print(r: dict, out, plot, table) -> int:
+    """A benchmark's `main` tail: the plot from the written JSON, then the table; a failing plot
+    must not lose the measured JSON, so it only says why."""
+    try:
+        plot(out)
+    except Exception as e:  # noqa: BLE001
+        print(f"plot failed: {e}", file=sys.stderr)
+    print(table(r))
+    return 0

@@ -36,10 +36,10 @@ for stage in "$@"; do
       timeout 400 python3 -m sparda_jax.cli bench train --preset minicpm4.1-8b --seq-len 65536 --repeats 2 \
         --out "$OUT/train_64k.json" 2>&1 | tail -8 ;;
     eval-tasks)  # the accuracy table: every task, every mode, 2K..8K (1K equals dense at budget 24: eval/results/tasks_smollm2_partial.md)
-                 # 2K + 4K alone took ~620 s on the H200 (eval/results/tasks_smollm2_run1/2.json): use the split stages
+                 # 2K + 4K alone took calls of 566 s (cut at 53 of 64 cells) + 230 s on the H200: use the split stages
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 python3 -m sparda_jax.cli eval --suite tasks \
         --lengths 2048 4096 8192 --samples 20 --out "$OUT/tasks_smollm2.json" 2>&1 | tail -40 ;;
-    eval-8k-a|eval-8k-b)  # 8K in two calls of 16 cells each (~20 s per cell at 4K x 2), merged by eval.report
+    eval-8k-a|eval-8k-b)  # 8K in two calls of 16 cells each (guess: twice 4K's ~10 s per cell), merged by eval.report
       if [ "$stage" = eval-8k-a ]; then T="niah_single niah_multikey niah_multivalue niah_multiquery"; else T="vt cwe fwe copy"; fi
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 python3 -m sparda_jax.cli eval --suite tasks --tasks $T \
         --lengths 8192 --samples 20 --out "$OUT/tasks_smollm2_8k_${stage#eval-8k-}.json" 2>&1 | tail -12 ;;

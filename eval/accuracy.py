@@ -23,12 +23,15 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
-from sparda_jax.infer.generate import SamplingConfig, generate
+from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
 from sparda_jax.modes import MODES, forward
 
 from .tasks import TASKS, make_sample
 
-__all__ = ["eval_tasks", "paired_differences", "tasks_markdown", "plot_tasks"]
+__all__ = ["eval_tasks", "max_task_length", "paired_differences", "tasks_markdown", "plot_tasks"]
+
+# make_sample fits a haystack to within this many tokens of the asked length (eval.tasks._fit)
+_FIT_SLACK = 8
 
 
 def _ci(x: np.ndarray) -> float:
@@ -77,7 +80,15 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def eval_tasks(model: Pretrained, *, tasks=TASKS, lengths=(1024, 2048, 4096, 8192), samples: int = 20,
+def max_task_length(config, max_new_tokens: int = 40) -> int:
+    """The longest context whose prompts (up to _FIT_SLACK tokens over it, padded to a multiple
+    of PAD_MULTIPLE) plus a max_new_tokens answer fit the model's positions: 8120 for SmolLM2's
+    8192 at 40 new tokens."""
+    room = config.max_position_embeddings - max_new_tokens
+    return (room // PAD_MULTIPLE) * PAD_MULTIPLE - _FIT_SLACK
+
+
+def eval_tasks(model: Pretrained, *, tasks=TASKS, lengths=(1024, 2048, 4096, 8064), samples: int = 20,
                modes=MODES, forecast=None, seed: int = 0, max_new_tokens: int = 40, progress: bool = True,
                on_row=None) -> dict:
     tok = model.tokenizer
@@ -86,6 +97,11 @@ def eval_tasks(model: Pretrained, *, tasks=TASKS, lengths=(1024, 2048, 4096, 819
     for t in tasks:
         if t not in TASKS:
             raise ValueError(f"unknown task {t!r}; expected one of {', '.join(TASKS)}")
+    longest = max_task_length(model.config, max_new_tokens)
+    if max(lengths) > longest:  # say so before building samples and compiling, not at the 8K cell
+        raise ValueError(f"context length {max(lengths)} does not fit {model.config.max_position_embeddings} "
+                         f"positions with a {max_new_tokens}-token answer (prompts are padded to a multiple of "
+                         f"{PAD_MULTIPLE}); the longest allowed is {longest}")
     extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     rows = []
     bar = tqdm(total=len(tasks) * len(lengths) * len(modes), desc="tasks", disable=not progress)

@@ -11,7 +11,8 @@ for stage in "$@"; do
         > "$OUT/gpu_tests.log" 2>&1; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15 ;;
     copy)        # bench: UVA gather vs bulk vs XLA loop vs host gather, CTA sweep, overlap, write-back (~100 s)
       timeout 200 python3 -m sparda_jax.cli bench copy --repeats 10 --sizes 1 8 32 --out "$OUT/copy.json" 2>&1 | tail -30 ;;
-    attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s); do not set highest precision here
+    attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also the 2-buffer kernel,
+                 # mosaic_gpu@s2); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;
     attention-rho)  # prefill kernels vs cuDNN on selections as alike between neighbours as real ones
                     # (rho 0.99: SmolLM2's tile union, eval/results/tile_union_smollm2.json)
@@ -23,6 +24,10 @@ for stage in "$@"; do
                  # variants match the miss rates measured on SmolLM2 in the same run (needs the model)
       timeout 330 python3 -m sparda_jax.cli bench decode --real-model smollm2-135m \
         --out "$OUT/decode.json" 2>&1 | tail -30 ;;
+    decode-profile)  # where a decode step's time goes: the claims' rows at 128K, 3 traced steps each
+                     # (bench/profile.py: busy/idle per step, per stream, top kernels; traces in $OUT/profiles)
+      timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \
+        --reuse-fractions --profile-steps 3 --budget-s 200 --out "$OUT/decode_profile.json" 2>&1 | tail -60 ;;
     prefill)     # bench: Dense / Sparse / SparDA prefill tokens/s, batch 4, at 128K only (Table 3's claim;
                  # the two sparse systems alone took 150 s of a 130 s budget in the first run)
       timeout 330 python3 -m sparda_jax.cli bench prefill --lengths 131072 --budget-s 260 \
@@ -38,11 +43,11 @@ for stage in "$@"; do
     eval-tasks)  # the accuracy table: every task, every mode, 2K..8K (1K equals dense at budget 24: eval/results/tasks_smollm2_partial.md)
                  # 2K + 4K alone took calls of 566 s (cut at 53 of 64 cells) + 230 s on the H200: use the split stages
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 python3 -m sparda_jax.cli eval --suite tasks \
-        --lengths 2048 4096 8192 --samples 20 --out "$OUT/tasks_smollm2.json" 2>&1 | tail -40 ;;
-    eval-8k-a|eval-8k-b)  # 8K in two calls of 16 cells each (guess: twice 4K's ~10 s per cell), merged by eval.report
+        --lengths 2048 4096 8064 --samples 20 --out "$OUT/tasks_smollm2.json" 2>&1 | tail -40 ;;
+    eval-8k-a|eval-8k-b)  # 8K (8064: 8192 positions less the answer) in two calls of 16 cells, 454 s + 399 s on the H200, merged by eval.report
       if [ "$stage" = eval-8k-a ]; then T="niah_single niah_multikey niah_multivalue niah_multiquery"; else T="vt cwe fwe copy"; fi
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 560 python3 -m sparda_jax.cli eval --suite tasks --tasks $T \
-        --lengths 8192 --samples 20 --out "$OUT/tasks_smollm2_8k_${stage#eval-8k-}.json" 2>&1 | tail -12 ;;
+        --lengths 8064 --samples 20 --out "$OUT/tasks_smollm2_8k_${stage#eval-8k-}.json" 2>&1 | tail -12 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

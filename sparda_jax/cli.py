@@ -19,6 +19,8 @@ _DTYPES = ("float32", "bfloat16")
 
 
 EVAL_MODES = ("dense", "sparse", "infinigen", "sparda")  # the eval tables' column order
+EVAL_LENGTHS = (1024, 2048, 4096, 8192)  # SmolLM2: 1K..8K; the tasks suite caps the last at what fits
+
 
 def _load(args):
     import jax.numpy as jnp
@@ -112,7 +114,7 @@ def _cmd_eval(args) -> int:
     if args.suite == "selection":
         from .eval.selection import eval_selection, markdown_table
 
-        result = eval_selection(model, lengths=tuple(args.lengths), n_seqs=args.seqs, modes=tuple(args.modes or EVAL_MODES),
+        result = eval_selection(model, lengths=tuple(args.lengths or EVAL_LENGTHS), n_seqs=args.seqs, modes=tuple(args.modes or EVAL_MODES),
                                 forecast=forecast, **common)
         table = markdown_table(result)
         intro = (f"Budget {result['budget']}; {args.seqs} windows per length of {result['text']}.\n"
@@ -120,10 +122,11 @@ def _cmd_eval(args) -> int:
                  "the layer's own InfLLM-V2 content blocks (forced blocks excluded) that the mode also chose,\n"
                  "all layers; mass = dense attention probability inside the selected blocks.\n")
     elif args.suite == "tasks":
-        from .eval.accuracy import eval_tasks, plot_tasks, tasks_markdown
+        from .eval.accuracy import eval_tasks, max_task_length, plot_tasks, tasks_markdown
         from .eval.tasks import TASKS
 
-        result = eval_tasks(model, tasks=tuple(args.tasks or TASKS), lengths=tuple(args.lengths),
+        lengths = args.lengths or [*EVAL_LENGTHS[:-1], min(EVAL_LENGTHS[-1], max_task_length(model.config) // 64 * 64)]
+        result = eval_tasks(model, tasks=tuple(args.tasks or TASKS), lengths=tuple(lengths),
                             samples=args.samples, modes=tuple(args.modes or EVAL_MODES), forecast=forecast, **common)
         table = tasks_markdown(result)
         intro = (f"Budget {result['budget']}; haystacks from the {result['text']}; greedy answers of up to 40 "
@@ -133,11 +136,11 @@ def _cmd_eval(args) -> int:
     else:
         from .eval.budget import budget_markdown, eval_budget
 
-        result = eval_budget(model, topks=tuple(args.topks), length=args.lengths[0], samples=args.samples,
+        result = eval_budget(model, topks=tuple(args.topks), length=(args.lengths or EVAL_LENGTHS)[0], samples=args.samples,
                              seqs=args.seqs, modes=tuple(args.modes or ("sparse", "sparda")),
                              tasks=tuple(args.tasks or ("niah_single", "copy")), **common)
         table = budget_markdown(result)
-        intro = f"Budget sweep at {args.lengths[0]} tokens.\n"
+        intro = f"Budget sweep at {result['length']} tokens.\n"
     save(result, True)
     if out is not None:
         out.with_suffix(".md").write_text(
@@ -252,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.add_argument("--suite", choices=["tasks", "selection", "budget"], default="tasks")
     e.add_argument("--modes", nargs="+", help="default: dense sparse infinigen sparda (budget suite: sparse sparda)")
-    e.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    e.add_argument("--lengths", type=int, nargs="+",
+                   help="contexts (default 1024 2048 4096 8192; tasks suite: 8192 becomes the longest that fits "
+                        "the model with the answer, 8064 for SmolLM2)")
     e.add_argument("--tasks", nargs="+", help="default: every task (budget suite: niah_single copy)")
     e.add_argument("--samples", type=int, default=20, help="samples per (task, length, mode) cell")
     e.add_argument("--seqs", type=int, default=4, help="selection suite: windows of held-out text per length")
@@ -326,6 +331,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: miss rates measured on a real model (one for all offload modes, or MODE=RATE "
                          "pairs; sparda_sync takes sparda's); adds reuse variants emulating them")
     bn.add_argument("--real-model", help="decode: measure the real-model miss rate first (e.g. smollm2-135m)")
+    bn.add_argument("--profile-steps", type=int, default=0,
+                    help="decode: trace this many extra steps of the claims' rows (bench.profile): device busy/idle "
+                         "time per step, per stream, top kernels; traces under <out's folder>/profiles/")
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")

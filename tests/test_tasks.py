@@ -11,7 +11,8 @@ import pytest
 
 from sparda_jax import load_pretrained
 from sparda_jax.eval import report
-from sparda_jax.eval.accuracy import _t975, eval_tasks, paired_differences, tasks_markdown
+from sparda_jax.eval.accuracy import _t975, eval_tasks, max_task_length, paired_differences, tasks_markdown
+from sparda_jax.infer.generate import PAD_MULTIPLE
 from sparda_jax.eval.tasks import TASKS, Sample, make_sample
 
 
@@ -69,6 +70,19 @@ def test_harness_end_to_end(smollm2):
 
 # 0.975 quantiles of Student t from published tables (scipy, which is not a dependency, agrees)
 T975 = {4: 2.776445, 19: 2.093024, 38: 2.024394, 40: 2.021075, 100: 1.983972}
+
+
+def test_the_longest_task_length_fits_the_model_and_longer_is_refused_up_front(smollm2):
+    # SmolLM2 has 8192 positions: an 8192-token haystack plus a 40-token answer cannot fit (the
+    # first 8K GPU run failed at its first cell); the harness must say so before any work
+    longest = max_task_length(smollm2.config, 40)
+    assert longest == 8120
+    for task in ("niah_single", "vt"):
+        n = len(make_sample(task, smollm2.tokenizer, longest, seed=0).prompt_ids)
+        assert -(-n // PAD_MULTIPLE) * PAD_MULTIPLE + 40 <= smollm2.config.max_position_embeddings, n
+    with pytest.raises(ValueError, match="longest allowed is 8120"):
+        eval_tasks(smollm2, tasks=("niah_single",), lengths=(1024, 8192), samples=1, modes=("dense",),
+                   progress=False)
 
 
 def test_t_quantile_matches_tables():

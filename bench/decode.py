@@ -117,7 +117,7 @@ class _Ctx:
 
 def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int, warmup: int,
                   reuse_fraction: float = 0.0, num_ctas: int | None = None, copy_impl: str | None = None,
-                  check: bool = True) -> dict:
+                  check: bool = True, profile_steps: int = 0, profile_dir=None) -> dict:
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
@@ -143,7 +143,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     rows = np.arange(batch)
     tok0 = ctx.tokens(0, batch)
     inputs = []
-    for i in range(1 + warmup + steps):
+    for i in range(1 + warmup + steps + profile_steps):
         pos = np.where(rows < n_rep, context, context + i).astype(np.int32)
         tok = jnp.where(jnp.asarray(rows < n_rep), tok0, ctx.tokens(i, batch))
         inputs.append((tok, pos))
@@ -182,6 +182,19 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         ts.append(time.perf_counter() - t0)
         _, state, st = out
         got.append(st)
+    if profile_steps and profile_dir is not None:
+        from sparda_jax.bench.profile import profile_calls
+
+        it = iter(inputs[1 + warmup + steps:])
+        holder = [state]
+
+        def call():
+            out = step(*next(it), holder[0])
+            holder[0] = out[1]
+            return out[:2]
+
+        rec["profile"] = profile_calls(call, profile_steps, profile_dir)
+        state = holder[0]
     del state
     copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
     selected = float(np.mean([int(s["selected_blocks"]) for s in got]))
@@ -267,8 +280,10 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  layers: int | None = 4, steps: int = 6, warmup: int = 2, reuse_fractions=(0.5,),
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
-                 with_ceilings: bool = True, seed: int = 0, out=None, log=None) -> dict:
-    """With `out`, the JSON is rewritten after every configuration ("complete": false until the end)."""
+                 with_ceilings: bool = True, profile_steps: int = 0, seed: int = 0, out=None, log=None) -> dict:
+    """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
+    profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
+    (`bench.profile`), their traces under <out's folder>/profiles/."""
     log = log or _log_default
     modes = tuple(modes)
     budget = Budget(budget_s)
@@ -307,8 +322,13 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                               "variant": "random" if not kw.get("reuse_fraction") else "reuse"})
             return None
         try:
+            prof = {}
+            if profile_steps and not kw.get("reuse_fraction") and claim_pair(mode, b):
+                import pathlib
+                prof = dict(profile_steps=profile_steps, profile_dir=pathlib.Path(out or ".").parent / "profiles"
+                            / f"decode_{mode}_T{t}_B{b}")
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
-                                check=check, **kw)
+                                check=check, **prof, **kw)
             _floors(rec, ctx, ceil, h2d)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
             rec = {"mode": mode, "T": t, "batch": b, "status": unavailable(e),
@@ -512,6 +532,9 @@ def table(r: dict) -> str:
                                                           for m, v in bm.items()))
     lines.append(f"{c['layers_timed']} of {c['scaled_to']} layers timed, times and bytes scaled to {c['scaled_to']}; "
                  "feasibility from memory_report of the full model")
+    from sparda_jax.bench.profile import profile_lines
+
+    lines += profile_lines(rows, label=lambda x: f"{LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']}")
     return "\n".join(lines)
 
 
@@ -583,6 +606,7 @@ def main(args) -> int:
                          modes=tuple(args.modes or MODES), layers=args.layers or 4, steps=args.repeats,
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
-                         budget_s=args.budget_s if args.budget_s is not None else 200.0, out=out)
+                         budget_s=args.budget_s if args.budget_s is not None else 200.0,
+                         profile_steps=args.profile_steps, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

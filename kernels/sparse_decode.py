@@ -2,7 +2,7 @@
 
 One query token per sequence over its selected 64-token blocks, read from the contiguous
 cache [B, S, K, D] by block id. Grid (B, K, n_split): each CTA (one warpgroup) walks its share
-of the block list with double-buffered TMA copies, computes QK^T and PV with wgmma (the G query
+of the block list with a ring of `stages` TMA buffers (stages - 1 blocks in flight), computes QK^T and PV with wgmma (the G query
 heads of a group padded to the 64 rows wgmma needs: decode is bound by reading K/V, not by the
 tensor cores), keeps an online softmax in the log2 domain, and writes a partial output with
 its log-sum-exp; the combine over splits runs in XLA.
@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
-           "paged_sparse_decode_attention_reference", "default_n_split", "INTERPRET"]
+           "paged_sparse_decode_attention_reference", "default_n_split", "DEFAULT_STAGES", "INTERPRET"]
 
 # Interpret mode (CPU): wgmma's A operand must come from SMEM and the accumulator cannot be
 # updated in place there, so the kernel has switches for those two (both lower for the GPU).
@@ -36,13 +36,23 @@ INTERPRET = plgpu.InterpretGPUParams()
 BS, GP = 64, 64          # tokens per KV block; query rows per CTA (wgmma needs M % 64 == 0)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 8 x 64 elems = 128 B
 
-def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None,
+# K/V buffers per CTA. With 2 (one block in flight) the H200 read 0.42-0.48 of HBM bandwidth at
+# batch 16 but 0.83-0.89 at batch 64 (bench/results/attention.json, 4 splits): with one CTA per
+# SM, 32 KB in flight per SM is below what ~1 us of memory latency at 4.8 TB/s needs (~36 KB
+# per SM), so the small batch waits on every block. 4 buffers keep 3 blocks (96 KB) in flight;
+# SMEM per CTA at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB of the 227 KB.
+DEFAULT_STAGES = 4
+
+
+def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None, stages: int = DEFAULT_STAGES,
                                                     p_via_smem=False, acc_in_place=True, interpret=None):
     """q_pad [B,K,GP,D] bf16 (rows >= G zero); k, v [B,S,K,D] bf16, or with `slots` the block
     cache's pools viewed as [B,K,n_slots*64,D] (block ids[j] sits in slot slots[j]); ids [B,K,n]
     int32 (ascending, -1 padded, unique); n_valid [B,K] int32; pos [B] int32 (query position).
     -> o [B,K,n_split,GP,D] f32 (normalised per split), lse [B,K,n_split,GP] f32 (log2 units).
     Interpret mode needs p_via_smem=True, acc_in_place=False."""
+    if stages < 2:
+        raise ValueError(f"stages must be >= 2 (a block in flight while one is read), got {stages}")
     paged = slots is not None
     if not paged:
         slots = ids  # unused: the contiguous cache is addressed by block id
@@ -70,9 +80,10 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
             plgpu.copy_gmem_to_smem(k_src, k_smem.at[slot], kv_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], kv_bar.at[slot])
 
-        @pl.when(start < end)
-        def _():
-            fetch(start, 0)
+        for i in range(stages - 1):                           # fill the ring: blocks start .. start+stages-2
+            @pl.when(start + i < end)
+            def _():
+                fetch(start + i, i)
         plgpu.barrier_wait(q_bar)
 
         row_l = plgpu.Layout.WGMMA.reduce(1)
@@ -82,10 +93,10 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
 
         def step(j, carry):
             acc, m_i, l_i = carry
-            slot = lax.rem(j - start, 2)
-            @pl.when(j + 1 < end)                               # prefetch next block (other slot is free:
-            def _():                                            # both wgmmas of step j-1 were awaited)
-                fetch(j + 1, 1 - slot)
+            slot = lax.rem(j - start, stages)
+            @pl.when(j + stages - 1 < end)                      # refill the slot step j-1 read (free: both
+            def _():                                            # of its wgmmas were awaited)
+                fetch(j + stages - 1, lax.rem(j - start + stages - 1, stages))
             plgpu.barrier_wait(kv_bar.at[slot])
             blk = ids_ref[b, h, j]
 
@@ -136,13 +147,14 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
             grid=(B, K, n_split), grid_names=("b", "h", "s"),
             scratch_types=(
                     plgpu.SMEM((GP, D), dtype, transforms=MMA_T),        # q
-                    plgpu.SMEM((2, BS, D), dtype, transforms=MMA_T),     # K double buffer
-                    plgpu.SMEM((2, BS, D), dtype, transforms=MMA_T),     # V double buffer
-                    plgpu.SMEM((GP, BS), dtype, transforms=MMA_T),       # P (only used if p_via_smem)
+                    plgpu.SMEM((stages, BS, D), dtype, transforms=MMA_T),   # K ring
+                    plgpu.SMEM((stages, BS, D), dtype, transforms=MMA_T),   # V ring
+                    # P staging, read only with p_via_smem (interpret mode): 8 rows otherwise
+                    plgpu.SMEM((GP if p_via_smem else 8, BS), dtype, transforms=MMA_T),
                     plgpu.SMEM((GP, D), jnp.float32),                    # out staging
                     plgpu.SMEM((GP,), jnp.float32),                      # lse staging
                     plgpu.Barrier(),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
             ),
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
@@ -161,16 +173,18 @@ def default_n_split(batch: int, kv_heads: int, n_blocks: int, num_sms: int | Non
     return max(1, min(max(4, want), 16, n_blocks))
 
 
-def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, interpret=None):
+def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
+                            interpret=None):
     """q [B,H,D]; k, v [B,S,K,D]; ids [B,K,n] int32 (ascending, unique, -1 padded at the end);
     pos [B] int32 (each query's position) -> [B,H,D]. n_split: KV splits per (sequence, KV
-    head), `default_n_split` when None. interpret: None (compiled, GPU) or `INTERPRET` (CPU)."""
+    head), `default_n_split` when None. stages: K/V buffers per CTA (stages - 1 blocks in
+    flight). interpret: None (compiled, GPU) or `INTERPRET` (CPU)."""
     _check(q, k, v, ids, pos)
-    return _decode(q, k, v, ids, pos, None, k.shape[2], n_split, interpret)
+    return _decode(q, k, v, ids, pos, None, k.shape[2], n_split, stages, interpret)
 
 
 def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split: int | None = None,
-                                  interpret=None):
+                                  stages: int = DEFAULT_STAGES, interpret=None):
     """The same over the engine's block cache: k_pool, v_pool [B,K,n_slots,64,D]; block ids[b,k,j]
     sits in slot slots[b,k,j] (ids ascending, unique, -1 padded at the end; slots aligned with
     them). -> [B,H,D]. Causality comes from the block ids and pos."""
@@ -183,10 +197,10 @@ def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split
     # the contiguous layout's checks, with the pool seen as a cache of n_slots blocks
     as_cache = lambda p: jax.ShapeDtypeStruct((b, n_slots * bs, kh, d), p.dtype)
     _check(q, as_cache(k_pool), as_cache(v_pool), ids, pos)
-    return _decode(q, flat(k_pool), flat(v_pool), ids, pos, slots.astype(jnp.int32), kh, n_split, interpret)
+    return _decode(q, flat(k_pool), flat(v_pool), ids, pos, slots.astype(jnp.int32), kh, n_split, stages, interpret)
 
 
-def _decode(q, k, v, ids, pos, slots, K, n_split, interpret):
+def _decode(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     if n_split is None:
         n_split = default_n_split(q.shape[0], K, ids.shape[-1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
@@ -195,7 +209,7 @@ def _decode(q, k, v, ids, pos, slots, K, n_split, interpret):
     G = H // K
     q_pad = jnp.zeros((B, K, GP, D), q.dtype).at[:, :, :G].set(q.reshape(B, K, G, D))
     n_valid = jnp.sum(ids >= 0, axis=-1).astype(jnp.int32)
-    o, lse = sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, n_split=n_split, slots=slots, **kw)
+    o, lse = sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, n_split=n_split, slots=slots, stages=stages, **kw)
     o, lse = o[:, :, :, :G], lse[:, :, :, :G]
     m = jnp.max(lse, axis=2, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -218,8 +232,9 @@ def _check(q, k, v, ids, pos):
         raise ValueError(f"ids must be [B, K, n] and pos [B]; got {ids.shape}, {pos.shape}")
 
 
-def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int | None = None, interpret=None):
-    """The plain-jnp reference with the kernel's signature (n_split, interpret are ignored)."""
+def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
+                                      interpret=None):
+    """The plain-jnp reference with the kernel's signature (n_split, stages, interpret are ignored)."""
     from sparda_jax.attention import sparse_attention_reference
 
     out = sparse_attention_reference(q[:, None], k, v, ids[:, :, None], pos[:, None], block_size=BS)
@@ -227,8 +242,8 @@ def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int | None 
 
 
 def paged_sparse_decode_attention_reference(q, k_pool, v_pool, slots, ids, pos, *, n_split: int | None = None,
-                                            interpret=None):
-    """The plain-jnp reference with the paged kernel's signature (n_split, interpret are ignored)."""
+                                            stages: int = DEFAULT_STAGES, interpret=None):
+    """The plain-jnp reference with the paged kernel's signature (n_split, stages, interpret are ignored)."""
     from sparda_jax.attention import paged_sparse_attention_reference
 
     out = paged_sparse_attention_reference(q[:, None], k_pool, v_pool, slots[:, :, None], ids[:, :, None],

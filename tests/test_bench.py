@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sparda_jax.bench.train_step import bench_train_step
 
@@ -40,7 +41,8 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
 
     from sparda_jax.bench.attention import bench_attention, plot, table
 
-    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple"), timed_queries=256,
+    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@s2"),
+                        timed_queries=256,
                         **_tiny_kw(tmp_path, "attention"))
     assert r["complete"] and json.loads((tmp_path / "attention.json").read_text())["complete"]
     assert r["ceilings"]["matmul_tflops"] > 0 and r["ceilings"]["hbm_gb_per_s"] > 0
@@ -55,6 +57,7 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     dx = d["variants"]["xla"]
     assert dx["status"] == "ok" and dx["check"]["passed"] and dx["gb_per_s"] > 0 and d["steps"] == 2
     assert dx["bytes_per_step"] == d["bytes_selected_per_step"] > 0
+    assert d["variants"]["mosaic_gpu@s2"]["status"].startswith("unavailable") and d["best_sparse"] == "xla"
     assert len(r["claims"]) == 2 and {"value", "target", "met"} <= set(r["claims"][0])
     assert "| prefill | 512 | 2 | xla* |" in table(r)
     out = plot(tmp_path / "attention.json")
@@ -109,7 +112,7 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
 
     # tiny: 3 layers (2 timed, scaled to 3), 16-token blocks, topk 4; every system, one batch
     r = bench_decode("tiny", lengths=(256,), batches=(8,), layers=2, steps=2, warmup=1, reuse_fractions=(0.5,),
-                     real_miss_rates={"sparda": 0.05}, with_ceilings=False, budget_s=None,
+                     real_miss_rates={"sparda": 0.05}, with_ceilings=False, budget_s=None, profile_steps=2,
                      out=tmp_path / "decode.json", log=lambda s: None)
     assert r["complete"] and json.loads((tmp_path / "decode.json").read_text())["complete"]
     assert r["config"]["layers_timed"] == 2 and r["config"]["scaled_to"] == 3
@@ -130,8 +133,42 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     assert r["claims"][0]["claim"].endswith("SparDA / Sparse tokens/s") and r["claims"][0]["value"] > 0
     assert r["best_feasible"]["256"]["sparda"]["batch"] == 8
     assert "| SparDA | 256 | 8 | random |" in table(r)
+    # the claims' random rows carry a profile of 2 extra steps; on the CPU, of XLA's host threads
+    prof = rows[("sparda", "random")]["profile"]
+    assert prof["source"].startswith("host") and prof["events"] > 0 and prof["steps"] == 2
+    assert 0 < prof["busy_s_per_step"] <= prof["span_s_per_step"] and prof["top"]
+    assert (tmp_path / "profiles" / "decode_sparda_T256_B8").is_dir() and "profile" not in rows[("sparda", "reuse=0.50")]
+    assert "profile SparDA T=256 B=8 (host" in table(r)
     out = plot(tmp_path / "decode.json")
     assert out is None or out.endswith("decode.png")
+
+
+def test_trace_summary_of_a_known_trace():
+    from sparda_jax.bench.profile import summarize_trace
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "Stream #9"}},
+            {"ph": "M", "pid": 1, "tid": 5, "name": "thread_name", "args": {"name": "XLA Modules"}}]
+    # two steps; per step: stream 7 runs a (0-100 us) and b (300-400), stream 9 runs copy (50-250)
+    xs = []
+    for k in range(2):
+        o = 1000 * k
+        xs += [{"ph": "X", "pid": 1, "tid": 7, "ts": o, "dur": 100, "name": "a"},
+               {"ph": "X", "pid": 1, "tid": 7, "ts": o + 300, "dur": 100, "name": "b"},
+               {"ph": "X", "pid": 1, "tid": 9, "ts": o + 50, "dur": 200, "name": "copy"},
+               {"ph": "X", "pid": 2, "tid": 3, "ts": o, "dur": 999, "name": "host work"},
+               {"ph": "X", "pid": 1, "tid": 5, "ts": o, "dur": 450, "name": "jit_step"}]  # spans the kernels
+    s = summarize_trace({"traceEvents": meta + xs}, steps=2)
+    assert s["source"] == "device" and s["events"] == 6
+    # span 0..1400 us over 2 steps; busy per step = union(0-250, 300-400) = 350 us
+    assert abs(s["span_s_per_step"] - 700e-6) < 1e-12 and abs(s["busy_s_per_step"] - 350e-6) < 1e-12
+    assert abs(s["idle_fraction"] - 0.5) < 1e-12
+    assert s["streams"] == pytest.approx({"/device:GPU:0 Stream #7": 200e-6, "/device:GPU:0 Stream #9": 200e-6},
+                                         rel=1e-12)  # float sums of microseconds
+    assert [t["name"] for t in s["top"]] == ["copy", "a", "b"] and s["top"][0]["calls_per_step"] == 1
+    assert s["derived_lines_s_per_step"] == pytest.approx({"XLA Modules": 450e-6}, rel=1e-12)
 
 
 def test_decode_bench_reports_what_does_not_fit():

@@ -33,32 +33,57 @@ def _rel(a, ref):
     return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
 
 
-@pytest.mark.parametrize("g,d", [(3, 64), (16, 128)])
-def test_interpret_matches_reference(g, d):
-    q, k, v, ids, pos = _case(g, g, d)
+@pytest.mark.parametrize("g,d,stages", [(3, 64, 4), (16, 128, 4), (16, 128, 2), (3, 64, 3)])
+def test_interpret_matches_reference(g, d, stages):
+    # n = 6 blocks over 3 splits: 2 per split, fewer than a ring of 3 or 4 can hold, and the ragged
+    # rows (1 or 3 blocks) leave splits with 0 or 1; `long` below fills the ring past one turn
+    q, k, v, ids, pos = _case(g + stages, g, d)
     f32 = lambda x: x.astype(jnp.float32)
     exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)  # the jnp path in bf16
-    out = jax.jit(functools.partial(sparse_decode_attention, n_split=3, interpret=INTERPRET))(q, k, v, ids, pos)
+    out = jax.jit(functools.partial(sparse_decode_attention, n_split=3, stages=stages,
+                                    interpret=INTERPRET))(q, k, v, ids, pos)
     assert out.shape == q.shape and out.dtype == q.dtype
     # the kernel rounds P to bf16 before PV and its output to bf16: allow 3x the plain path's
     # error (its output rounding alone), as FlashAttention's tests do
     assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3), (_rel(out, exact), _rel(plain, exact))
 
 
-def test_gpu_variant_lowers_for_hopper():
+def test_ring_turns_several_times_in_interpret_mode():
+    """One split walking 13 blocks through a ring of 3 and 4: every slot is refilled several times,
+    so a wrong slot or barrier phase reads a stale block."""
+    q, k, v, _, _ = _case(11, 3, 64, s=1024)
+    pos = jnp.asarray([1023, 1000], jnp.int32)  # own blocks 15 and 15 (1000 is not a block end)
+    rng = np.random.default_rng(11)
+    ids = jnp.asarray([[np.r_[np.sort(rng.choice(15, 13, replace=False)), 15] for _ in range(2)] for _ in range(2)],
+                      jnp.int32)  # [B=2, K=2, 14]: 13 earlier blocks and the query's own
+    f32 = lambda x: x.astype(jnp.float32)
+    exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
+    plain = sparse_decode_attention_reference(q, k, v, ids, pos)
+    for stages in (3, 4):
+        out = jax.jit(functools.partial(sparse_decode_attention, n_split=1, stages=stages,
+                                        interpret=INTERPRET))(q, k, v, ids, pos)
+        assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3), stages
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpu_variant_lowers_for_hopper(stages):
     """The compiled variant (P from registers, accumulator in place) through the Mosaic GPU
     lowering for sm_90, on the CPU: catches layout, TMA, SMEM and wgmma errors early."""
     q, k, v, ids, pos = _case(0, 16, 128)
-    jax.jit(sparse_decode_attention).trace(q, k, v, ids, pos).lower(lowering_platforms=("cuda",))
+    jax.jit(functools.partial(sparse_decode_attention, stages=stages)).trace(q, k, v, ids, pos).lower(
+        lowering_platforms=("cuda",))
     from sparda_jax.kernels.sparse_decode import paged_sparse_decode_attention
 
     q, kp, vp, slots, ids, pos, _ = _paged(0, 16, 128)
-    jax.jit(paged_sparse_decode_attention).trace(q, kp, vp, slots, ids, pos).lower(lowering_platforms=("cuda",))
+    jax.jit(functools.partial(paged_sparse_decode_attention, stages=stages)).trace(q, kp, vp, slots, ids, pos).lower(
+        lowering_platforms=("cuda",))
 
 
 def test_rejects_unsupported_inputs():
     q, k, v, ids, pos = _case(0, 3, 64)
+    with pytest.raises(ValueError, match="stages must be >= 2"):
+        sparse_decode_attention(q, k, v, ids, pos, stages=1, interpret=INTERPRET)
     with pytest.raises(TypeError, match="bf16"):
         sparse_decode_attention(q.astype(jnp.float32), k, v, ids, pos)
     with pytest.raises(ValueError, match="multiples of 64"):
@@ -66,14 +91,16 @@ def test_rejects_unsupported_inputs():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("g,d", [(3, 64), (16, 128)])
-def test_compiled_matches_reference(g, d):
+@pytest.mark.parametrize("g,d,n_split,stages", [(3, 64, None, 4), (16, 128, None, 4), (16, 128, 2, 4),
+                                                (16, 128, 2, 2)])
+def test_compiled_matches_reference(g, d, n_split, stages):
+    # the default split count gives 2 blocks per split here; 2 splits turn the ring several times
     q, k, v, ids, pos = _case(g, g, d, s=4096, n=24)
     f32 = lambda x: x.astype(jnp.float32)
     with jax.default_matmul_precision("highest"):
         exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)
-    out = jax.jit(sparse_decode_attention)(q, k, v, ids, pos)
+    out = jax.jit(functools.partial(sparse_decode_attention, n_split=n_split, stages=stages))(q, k, v, ids, pos)
     assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3)
 
 

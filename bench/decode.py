@@ -594,6 +594,8 @@ def _parse_real(items) -> dict | None:
 
 def main(args) -> int:
     if args.name == "cta":
+        if args.ctas and "auto" in args.ctas:
+            raise SystemExit("sparda bench cta: --ctas takes counts; the sweep adds the autotuned choice itself")
         out = args.out or "bench/results/cta.json"
         r = bench_cta(args.preset, context=(args.lengths or [32768])[0], batches=tuple(args.batches or (16, 64)),
                       ctas=tuple(args.ctas or (8, 16, 32, 64)), layers=args.layers or 4, steps=args.repeats,

@@ -28,6 +28,10 @@ for stage in "$@"; do
                      # (bench/profile.py: busy/idle per step, per stream, top kernels; traces in $OUT/profiles)
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \
         --reuse-fractions --profile-steps 3 --budget-s 200 --out "$OUT/decode_profile.json" 2>&1 | tail -60 ;;
+    decode-auto)  # the claims' pairs with the autotuned CTA count (16 CTAs copy a 32 MiB layer at 29 GB/s of the
+                  # 51 GB/s bulk rate: copy.json's overlap rows), SmolLM2's miss rates from decode.json
+      timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 --ctas auto \
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 200 --out "$OUT/decode_auto.json" 2>&1 | tail -30 ;;
     prefill)     # bench: Dense / Sparse / SparDA prefill tokens/s, batch 4, at 128K only (Table 3's claim;
                  # the two sparse systems alone took 150 s of a 130 s budget in the first run)
       timeout 330 python3 -m sparda_jax.cli bench prefill --lengths 131072 --budget-s 260 \

@@ -22,6 +22,18 @@ EVAL_MODES = ("dense", "sparse", "infinigen", "sparda")  # the eval tables' colu
 EVAL_LENGTHS = (1024, 2048, 4096, 8192)  # SmolLM2: 1K..8K; the tasks suite caps the last at what fits
 
 
+def _cta_count(s: str):
+    if s == "auto":
+        return s
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a CTA count is a positive integer or 'auto', got {s!r}")
+    return n
+
+
 def _load(args):
     import jax.numpy as jnp
 
@@ -323,8 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: batches (default 4 8 16 32); cta: batches (default 16 64); prefill: batch (default 4)")
     bn.add_argument("--modes", nargs="+", help="decode: engine modes (default dense_resident sparse_resident sparse "
                                                "infinigen sparda_sync sparda); prefill: dense_resident sparse sparda")
-    bn.add_argument("--ctas", type=int, nargs="+", help="cta: CTA counts (default 8 16 32 64); decode: one fixed count "
-                                                        "(default: the paper's heuristic)")
+    bn.add_argument("--ctas", type=_cta_count, nargs="+", help="cta: CTA counts (default 8 16 32 64); decode: one fixed "
+                                                               "count, or 'auto' (autotuned per copy size; default: the "
+                                                               "paper's heuristic)")
     bn.add_argument("--reuse-fractions", type=float, nargs="*",
                     help="decode: emulated-reuse variants, fraction of rows repeating their step (default 0.5)")
     bn.add_argument("--real-miss-rate", nargs="+", metavar="[MODE=]RATE",

@@ -35,3 +35,14 @@ def test_info_lists_presets(capsys):
 def test_missing_model_is_a_clear_error(capsys, tmp_path):
     assert main(["generate", "--model", str(tmp_path / "none"), "--prompt", "x"]) == 2
     assert "neither a known model name" in capsys.readouterr().err
+
+
+def test_cta_counts_are_positive_integers_or_auto(capsys):
+    import pytest
+
+    for bad in ("0", "-4", "many"):
+        with pytest.raises(SystemExit):
+            main(["bench", "decode", "--ctas", bad])
+        assert "a CTA count is a positive integer or 'auto'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="the sweep adds the autotuned choice"):
+        main(["bench", "cta", "--ctas", "16", "auto"])

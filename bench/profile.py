@@ -11,6 +11,8 @@ Summary (per step, seconds):
   span            first device event to the last, per step
   busy            union of kernel intervals over all device streams
   idle_fraction   1 - busy / span: the part of the step no stream of the device was working
+                  (high with many short kernels: launch-bound)
+  kernels_per_step  device events per step
   streams         busy time of each stream (the copy engine runs on its own stream)
   derived_lines_s_per_step  the profiler's own lines under the device (XLA Modules, XLA Ops),
                   summed, not counted as busy
@@ -78,7 +80,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 15) -> dict:
         by_name[e["name"]] += e["dur"] * us
         calls[e["name"]] += 1
     ranked = sorted(by_name, key=by_name.get, reverse=True)[:top]
-    return {"source": source, "events": len(xs), "steps": steps,
+    return {"source": source, "events": len(xs), "steps": steps, "kernels_per_step": len(xs) / steps,
             "span_s_per_step": span / steps, "busy_s_per_step": busy / steps,
             "idle_fraction": 1 - busy / span if span else None,
             "streams": {k: _union_length(v) * us / steps for k, v in sorted(by_stream.items())},
@@ -123,7 +125,8 @@ def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", t
         if not p or "span_s_per_step" not in p:
             continue
         out.append(f"profile {label(x)} ({p['source']}): span {p['span_s_per_step'] * 1e3:.3f} ms/step, busy "
-                   f"{p['busy_s_per_step'] * 1e3:.3f}, idle {100 * p['idle_fraction']:.0f}%; streams "
+                   f"{p['busy_s_per_step'] * 1e3:.3f}, idle {100 * p['idle_fraction']:.0f}%, "
+                   f"{p['kernels_per_step']:.0f} kernels/step; streams "
                    + ", ".join(f"{k.split()[-1]} {v * 1e3:.3f}" for k, v in p["streams"].items()))
         out += [f"    {t['s_per_step'] * 1e3:8.3f} ms  x{t['calls_per_step']:.0f}  {t['name'][:90]}"
                 for t in p["top"][:top]]

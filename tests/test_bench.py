@@ -161,7 +161,7 @@ def test_trace_summary_of_a_known_trace():
                {"ph": "X", "pid": 2, "tid": 3, "ts": o, "dur": 999, "name": "host work"},
                {"ph": "X", "pid": 1, "tid": 5, "ts": o, "dur": 450, "name": "jit_step"}]  # spans the kernels
     s = summarize_trace({"traceEvents": meta + xs}, steps=2)
-    assert s["source"] == "device" and s["events"] == 6
+    assert s["source"] == "device" and s["events"] == 6 and s["kernels_per_step"] == 3
     # span 0..1400 us over 2 steps; busy per step = union(0-250, 300-400) = 350 us
     assert abs(s["span_s_per_step"] - 700e-6) < 1e-12 and abs(s["busy_s_per_step"] - 350e-6) < 1e-12
     assert abs(s["idle_fraction"] - 0.5) < 1e-12

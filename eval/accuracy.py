@@ -287,7 +287,8 @@ def tasks_markdown(result: dict, reference: str = "sparse") -> str:
                 vals.append(r["em"])
                 ci = r["em_ci95"]
                 cells.append(f"{100 * r['em']:.1f}" + ("" if math.isnan(ci) else f" ±{100 * ci:.1f}"))
-            out.append(f"| {m} | " + " | ".join(cells) + f" | {100 * np.mean(vals):.1f} |")
+            avg = f"{100 * np.mean(vals):.1f}" if vals else "-"  # a run cut before any of its cells
+            out.append(f"| {m} | " + " | ".join(cells) + f" | {avg} |")
         lt = [t for t in tasks if t != "copy"]
         if lt:
             out.append(f"\n{length} tokens, answer log-likelihood per token (copy: NLL of the repeat)\n")

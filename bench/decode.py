@@ -33,6 +33,7 @@ text) when the model is installed.
 
 from __future__ import annotations
 
+import pathlib
 import sys
 import time
 
@@ -324,7 +325,6 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         try:
             prof = {}
             if profile_steps and not kw.get("reuse_fraction") and claim_pair(mode, b):
-                import pathlib
                 prof = dict(profile_steps=profile_steps, profile_dir=pathlib.Path(out or ".").parent / "profiles"
                             / f"decode_{mode}_T{t}_B{b}")
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,

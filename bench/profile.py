@@ -8,7 +8,8 @@ The profiler's Chrome-trace JSON (`*.trace.json.gz`, written beside the xplane) 
 and needs nothing beyond jax to read, so the device machine can summarise it in the same call.
 
 Summary (per step, seconds):
-  span            first device event to the last, per step
+  span            first device event to the last, per step; it includes the gaps between steps
+                  (the host's dispatch and block_until_ready), as the benchmark's step times do
   busy            union of kernel intervals over all device streams
   idle_fraction   1 - busy / span: the part of the step no stream of the device was working
                   (high with many short kernels: launch-bound)

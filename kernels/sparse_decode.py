@@ -2,10 +2,10 @@
 
 One query token per sequence over its selected 64-token blocks, read from the contiguous
 cache [B, S, K, D] by block id. Grid (B, K, n_split): each CTA (one warpgroup) walks its share
-of the block list with a ring of `stages` TMA buffers (stages - 1 blocks in flight), computes QK^T and PV with wgmma (the G query
-heads of a group padded to the 64 rows wgmma needs: decode is bound by reading K/V, not by the
-tensor cores), keeps an online softmax in the log2 domain, and writes a partial output with
-its log-sum-exp; the combine over splits runs in XLA.
+of the block list with a ring of `stages` TMA buffers (stages - 1 blocks in flight), computes
+QK^T and PV with wgmma (the G query heads of a group padded to the 64 rows wgmma needs: decode
+is bound by reading K/V, not by the tensor cores), keeps an online softmax in the log2 domain,
+and writes a partial output with its log-sum-exp; the combine over splits runs in XLA.
 
 Drafted and checked in interpret mode and with the CPU lowering check (docs/mosaic-gpu-notes.md
 section 2); `sparse_decode_attention_reference` is the plain-jnp reference with the same

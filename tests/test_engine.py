@@ -115,24 +115,15 @@ def test_host_ffi_prefetch_with_two_layers_in_bf16():
     from sparda_jax import SparseConfig
     from sparda_jax.kernels.copy_engine import host_copies_in_flight
 
+    from engine_runs import sparda_bf16_decode
+
     cfg = TINY.replace(num_layers=2, head_dim=64, sparse=SparseConfig(block_size=16, local_blocks=1, topk=4,
                                                                       dense_len=0, kernel_size=16, kernel_stride=8))
-    params, fc = init_model(cfg, jax.random.key(0)), init_forecast(cfg, jax.random.key(1))
-    tok = jax.random.randint(jax.random.key(2), (2, 200), 0, cfg.vocab_size)
-    lengths = jnp.array([90, 71], jnp.int32)
-    outs = {}
-    for impl in ("host_ffi", "xla"):
-        _, st = engine_prefill(params, tok[:, :90], lengths, cfg, mode="sparda", cache_size=160, forecast=fc,
-                               dtype=jnp.bfloat16)
-        p, res = lengths, []
-        for _ in range(20):  # crosses a block boundary: completed blocks go to the host
-            logits, st, _ = engine_decode_step(params, tok[jnp.arange(2), p], p, st, cfg, mode="sparda",
-                                               forecast=fc, dtype=jnp.bfloat16, copy_impl=impl)
-            res.append(logits)
-            p = p + 1
-        outs[impl] = np.asarray(jnp.stack(res).astype(jnp.float32))
-        if impl == "host_ffi":
-            assert host_copies_in_flight() == 0
+    # 20 steps cross a block boundary: completed blocks go to the host
+    run = dict(tok_len=200, lengths=[90, 71], cache_size=160, steps=20)
+    outs = {"host_ffi": sparda_bf16_decode(cfg, copy_impl="host_ffi", **run)}
+    assert host_copies_in_flight() == 0
+    outs["xla"] = sparda_bf16_decode(cfg, copy_impl="xla", **run)
     # the same copies in the same order: only bf16 fusion differences between the two programs
     np.testing.assert_allclose(outs["host_ffi"], outs["xla"], atol=2e-2, rtol=2e-2)
 

@@ -192,23 +192,13 @@ def test_paged_dispatch():
 def test_engine_attends_through_the_paged_kernel():
     # On the CPU the interpreter cannot run inside the engine's jit (its lowering fails on the
     # interpreter's callbacks there), so the engine-level check is compiled, on the GPU.
-    from sparda_jax import SparseConfig, get_preset, init_forecast, init_model
-    from sparda_jax.infer.engine import engine_decode_step, engine_prefill
+    from engine_runs import sparda_bf16_decode
+
+    from sparda_jax import SparseConfig, get_preset
 
     sp = SparseConfig(local_blocks=1, topk=4, dense_len=0)
     cfg = get_preset("tiny").replace(num_layers=2, head_dim=64, sparse=sp)
-    params, fc = init_model(cfg, jax.random.key(0)), init_forecast(cfg, jax.random.key(1))
-    tok = jax.random.randint(jax.random.key(2), (2, 400), 0, cfg.vocab_size)
-    lengths = jnp.array([320, 301], jnp.int32)
-    outs = {}
-    for impl in ("mosaic_gpu", "xla"):
-        _, st = engine_prefill(params, tok[:, :320], lengths, cfg, mode="sparda", cache_size=448, forecast=fc,
-                               dtype=jnp.bfloat16)
-        p, res = lengths, []
-        for _ in range(70):  # crosses block boundaries: completed blocks go to the host
-            logits, st, _ = engine_decode_step(params, tok[jnp.arange(2), p], p, st, cfg, mode="sparda", forecast=fc,
-                                               dtype=jnp.bfloat16, attention_impl=impl)
-            res.append(logits)
-            p = p + 1
-        outs[impl] = jnp.stack(res)
+    # 70 steps cross block boundaries: completed blocks go to the host
+    run = dict(tok_len=400, lengths=[320, 301], cache_size=448, steps=70)
+    outs = {impl: sparda_bf16_decode(cfg, attention_impl=impl, **run) for impl in ("mosaic_gpu", "xla")}
     assert _rel(outs["mosaic_gpu"], outs["xla"]) < 2e-2  # bf16 model; the kernel rounds P to bf16

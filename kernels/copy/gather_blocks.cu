@@ -34,6 +34,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "copy_tasks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -79,15 +80,8 @@ static int copy_grid(int64_t n, int32_t num_ctas) {
 static ffi::Error launch_copy(cudaStream_t stream, const void* from, size_t from_bytes, ffi::Buffer<ffi::S32> src,
                               ffi::Buffer<ffi::S32> dst, void* to, size_t to_bytes, int32_t num_ctas,
                               int64_t block_bytes, unsigned int* started = nullptr) {
-  if (block_bytes <= 0 || block_bytes % 16 != 0) {
-    return ffi::Error::InvalidArgument("block_bytes must be a positive multiple of 16");
-  }
-  if (from_bytes % block_bytes != 0 || to_bytes % block_bytes != 0) {
-    return ffi::Error::InvalidArgument("pool and cache sizes must be whole blocks");
-  }
-  if (src.element_count() != dst.element_count()) {
-    return ffi::Error::InvalidArgument("src and dst must have the same length");
-  }
+  ffi::Error e = check_copy_args(from_bytes, to_bytes, src.element_count(), dst.element_count(), block_bytes);
+  if (e.failure()) return e;
   if (reinterpret_cast<uintptr_t>(from) % 16 != 0 || reinterpret_cast<uintptr_t>(to) % 16 != 0) {
     return ffi::Error::InvalidArgument("pool and cache must be 16-byte aligned");
   }

@@ -16,6 +16,7 @@
 #include <string>
 #include <unordered_set>
 
+#include "copy_tasks.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -30,15 +31,8 @@ void alias_or_copy(const void* in, void* out, size_t bytes) {
 // whole blocks of block_bytes, a task with an index out of range is skipped
 ffi::Error copy_rows(const void* from, size_t from_bytes, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                      void* to, size_t to_bytes, int64_t block_bytes) {
-  if (block_bytes <= 0 || block_bytes % 16 != 0) {
-    return ffi::Error::InvalidArgument("block_bytes must be a positive multiple of 16");
-  }
-  if (from_bytes % block_bytes != 0 || to_bytes % block_bytes != 0) {
-    return ffi::Error::InvalidArgument("pool and cache sizes must be whole blocks");
-  }
-  if (src.element_count() != dst.element_count()) {
-    return ffi::Error::InvalidArgument("src and dst must have the same length");
-  }
+  ffi::Error e = check_copy_args(from_bytes, to_bytes, src.element_count(), dst.element_count(), block_bytes);
+  if (e.failure()) return e;
   const int64_t n_from = static_cast<int64_t>(from_bytes) / block_bytes;
   const int64_t n_to = static_cast<int64_t>(to_bytes) / block_bytes;
   const int32_t* s = src.typed_data();

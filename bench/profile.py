@@ -18,6 +18,13 @@ Summary (per step, seconds):
   derived_lines_s_per_step  the profiler's own lines under the device (XLA Modules, XLA Ops),
                   summed, not counted as busy
   top             the kernels with the most total time: name, seconds per step, calls per step
+  overlap_s_per_step  time two or more streams ran at once (the copy beside compute)
+  modules         with the profiler's "XLA Modules" line: the step's executions; gap_s_per_step
+                  between them (the host's dispatch and sync), idle_inside_s_per_step (the device
+                  waiting inside an execution: launch-bound or waiting on a stream) and the
+                  largest_gaps inside, with the kernels on either side
+  host_top        the host events with the most total time (names, seconds and calls per step):
+                  CUDA API calls such as cuLaunchKernel / cuGraphLaunch, XLA's thunks
 """
 
 from __future__ import annotations
@@ -81,19 +88,78 @@ def summarize_trace(trace: dict, steps: int, top: int = 15) -> dict:
         by_name[e["name"]] += e["dur"] * us
         calls[e["name"]] += 1
     ranked = sorted(by_name, key=by_name.get, reverse=True)[:top]
-    return {"source": source, "events": len(xs), "steps": steps, "kernels_per_step": len(xs) / steps,
-            "span_s_per_step": span / steps, "busy_s_per_step": busy / steps,
-            "idle_fraction": 1 - busy / span if span else None,
-            "streams": {k: _union_length(v) * us / steps for k, v in sorted(by_stream.items())},
-            "derived_lines_s_per_step": derived,
-            "top": [{"name": n[:160], "s_per_step": by_name[n] / steps, "calls_per_step": calls[n] / steps}
-                    for n in ranked]}
+    out = {"source": source, "events": len(xs), "steps": steps, "kernels_per_step": len(xs) / steps,
+           "span_s_per_step": span / steps, "busy_s_per_step": busy / steps,
+           "idle_fraction": 1 - busy / span if span else None,
+           "streams": {k: _union_length(v) * us / steps for k, v in sorted(by_stream.items())},
+           "overlap_s_per_step": _covered_twice(list(by_stream.values())) * us / steps,
+           "derived_lines_s_per_step": derived,
+           "top": [{"name": n[:160], "s_per_step": by_name[n] / steps, "calls_per_step": calls[n] / steps}
+                   for n in ranked]}
+    modules = [(e["ts"], e["ts"] + e["dur"]) for e in ev if e.get("ph") == "X" and e.get("pid") in dev
+               and "dur" in e and "Modules" in thread(e)]
+    if source == "device" and modules:
+        out["modules"] = _inside_modules(sorted(modules), sorted(zip(iv, (e["name"] for e in xs))), steps)
+    host = defaultdict(float)
+    host_calls = defaultdict(int)
+    for e in ev:
+        if e.get("ph") == "X" and "dur" in e and e.get("pid") not in dev:
+            host[e["name"]] += e["dur"] * us
+            host_calls[e["name"]] += 1
+    if source == "device" and host:
+        out["host_top"] = [{"name": n[:120], "s_per_step": host[n] / steps, "calls_per_step": host_calls[n] / steps}
+                           for n in sorted(host, key=host.get, reverse=True)[:top]]
+    return out
+
+
+def _covered_twice(per_stream) -> float:
+    """Length of time during which at least two of the streams' interval sets are busy."""
+    edges = []
+    for ivs in per_stream:
+        # a stream's own intervals merged first: its kernels never run two at once here
+        merged = []
+        for a, b in sorted(ivs):
+            if merged and a <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], b)
+            else:
+                merged.append([a, b])
+        edges += [(a, 1) for a, _ in merged] + [(b, -1) for _, b in merged]
+    total, depth, last = 0.0, 0, None
+    for t, d in sorted(edges, key=lambda x: (x[0], x[1])):
+        if depth >= 2:
+            total += t - last
+        depth += d
+        last = t
+    return total
+
+
+def _inside_modules(modules, kernels, steps: int, n_gaps: int = 5) -> dict:
+    """Per step: the time between module executions and the device's idle time inside them;
+    the largest idle gaps inside, named by the kernels that end before and start after."""
+    us = 1e-6
+    between = sum(max(0.0, b0 - a1) for (_, a1), (b0, _) in zip(modules, modules[1:]))
+    idle, gaps = 0.0, []
+    for m0, m1 in modules:
+        inside = [(max(a, m0), min(b, m1), n) for (a, b), n in kernels if b > m0 and a < m1]
+        t, prev = m0, "(start)"
+        for a, b, n in inside:
+            if a > t:
+                gaps.append((a - t, prev, n))
+                idle += a - t
+            if b > t:
+                t, prev = b, n
+        if m1 > t:
+            gaps.append((m1 - t, prev, "(end)"))
+            idle += m1 - t
+    gaps.sort(key=lambda g: -g[0])
+    return {"executions": len(modules), "gap_s_per_step": between * us / steps,
+            "idle_inside_s_per_step": idle * us / steps,
+            "largest_gaps": [{"s": g * us, "after": p[:80], "before": n[:80]} for g, p, n in gaps[:n_gaps]]}
 
 
 def profile_calls(call, steps: int, log_dir, *, keep_trace: bool = True) -> dict:
     """Trace `steps` calls of `call()` (each blocked on) and summarise; with keep_trace the
-    trace.json.gz stays in log_dir for ui.perfetto.dev, the xplane is removed (large, and
-    unreadable without the profiler plugin)."""
+    trace is kept as <log_dir>.trace.json.gz (for ui.perfetto.dev); log_dir is removed."""
     log_dir = pathlib.Path(log_dir)
     if log_dir.exists():
         shutil.rmtree(log_dir)
@@ -108,12 +174,12 @@ def profile_calls(call, steps: int, log_dir, *, keep_trace: bool = True) -> dict
         return {"error": f"no trace.json.gz under {log_dir}"}
     with gzip.open(found[-1], "rb") as f:
         summary = summarize_trace(json.load(f), steps)
-    for x in log_dir.glob("plugins/profile/*/*.xplane.pb"):
-        x.unlink()
     if keep_trace:
-        summary["trace"] = str(found[-1])
-    else:
-        shutil.rmtree(log_dir)
+        # beside log_dir, not six folders down: the device tool brings back shallow files only
+        kept = log_dir.with_name(log_dir.name + ".trace.json.gz")
+        shutil.copyfile(found[-1], kept)
+        summary["trace"] = str(kept)
+    shutil.rmtree(log_dir)  # the xplane too: large, and unreadable without the profiler plugin
     return summary
 
 
@@ -129,6 +195,14 @@ def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", t
                    f"{p['busy_s_per_step'] * 1e3:.3f}, idle {100 * p['idle_fraction']:.0f}%, "
                    f"{p['kernels_per_step']:.0f} kernels/step; streams "
                    + ", ".join(f"{k.split()[-1]} {v * 1e3:.3f}" for k, v in p["streams"].items()))
+        m = p.get("modules")
+        if m:
+            out.append(f"    streams overlap {p['overlap_s_per_step'] * 1e3:.3f} ms; {m['executions']} executions, "
+                       f"{m['gap_s_per_step'] * 1e3:.3f} ms/step between them, {m['idle_inside_s_per_step'] * 1e3:.3f} "
+                       "idle inside; largest gaps inside: " + ", ".join(
+                           f"{g['s'] * 1e3:.3f} ({g['after'][:24]} -> {g['before'][:24]})" for g in m["largest_gaps"][:3]))
         out += [f"    {t['s_per_step'] * 1e3:8.3f} ms  x{t['calls_per_step']:.0f}  {t['name'][:90]}"
                 for t in p["top"][:top]]
+        out += [f"    host {t['s_per_step'] * 1e3:8.3f} ms  x{t['calls_per_step']:.0f}  {t['name'][:80]}"
+                for t in p.get("host_top", [])[:top]]
     return out

@@ -31,6 +31,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import SingleDeviceSharding
 
@@ -166,18 +167,14 @@ def _pool(plan, h, layer):
 def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: bool = False) -> dict:
     """Copy the tasks (src, dst) of layer `layer` (1-based; host index layer - 1) from the
     host pools [L-1, B, K, nb, bs, X] into the layer's cache slots [B, K, n_slots, bs, X], every
-    payload with the same task list. start: only start the copy (`_wait_blocks` completes it)."""
-    out = {}
-    for name, c in cache_l.items():
-        flat = c.reshape(-1, *c.shape[3:])
-        if start:
-            flat = gather_blocks_start(_pool(plan, host[name], layer), src, dst, flat, num_ctas=plan.num_ctas,
-                                       implementation=plan.copy_impl)
-        else:
-            flat = gather_blocks(_pool(plan, host[name], layer), src, dst, flat, num_ctas=plan.num_ctas,
-                                 implementation=plan.copy_impl)
-        out[name] = flat.reshape(c.shape)
-    return out
+    payload with the same task list, in one copy (one launch for K, V and cis). start: only
+    start the copy (`_wait_blocks` completes it)."""
+    names = list(cache_l)
+    flats = tuple(cache_l[n].reshape(-1, *cache_l[n].shape[3:]) for n in names)
+    pools = tuple(_pool(plan, host[n], layer) for n in names)
+    copy = gather_blocks_start if start else gather_blocks
+    out = copy(pools, src, dst, flats, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
+    return {n: o.reshape(cache_l[n].shape) for n, o in zip(names, out)}
 
 
 def _after_start(started: dict, x):
@@ -193,9 +190,10 @@ def _after_start(started: dict, x):
 
 def _wait_blocks(plan, f: "_Fetched", after) -> dict:
     """The caches of a started copy once it is complete; `after` orders the wait after it."""
-    return {name: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), f.src, f.dst, after,
-                                     implementation=plan.copy_impl).reshape(c.shape)
-            for name, c in f.cache.items()}
+    names = list(f.cache)
+    out = gather_blocks_wait(tuple(f.cache[n].reshape(-1, *f.cache[n].shape[3:]) for n in names), f.src, f.dst, after,
+                             implementation=plan.copy_impl)
+    return {n: o.reshape(f.cache[n].shape) for n, o in zip(names, out)}
 
 
 def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
@@ -342,11 +340,16 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
                    selected=jnp.sum(own.ids >= 0))
         return (x, h, new_pre), out
 
-    if async_copy:
-        # a Python loop, not a scan, when copies are in flight across layers: a loop carry may be
-        # copied by XLA, and a copy of a buffer the side stream is still writing would read it
-        # half-written. Not scan(unroll=...) either: a scan of one trip (2 layers) is a while loop
-        # whatever unroll says, and the H200 and the host_ffi twin lost the start's buffer there
+    if plan.copy_impl in FFI_IMPLEMENTATIONS:
+        # a Python loop, not a scan, around the copy custom calls. With copies in flight across
+        # layers it is needed for correctness: a loop carry may be copied by XLA, and a copy of a
+        # buffer the side stream is still writing would read it half-written (not scan(unroll=...)
+        # either: a scan of one trip, 2 layers, is a while loop whatever unroll says, and the H200
+        # and the host_ffi twin lost the start's buffer there). The synchronous modes take it for
+        # speed: in a scan the layers' cache slices went through 57 device-to-device copies and 10
+        # copy kernels a step (slices out, the custom call's own buffers, stacked back), 1.9 of 5.7
+        # busy ms of a Sparse step of 4 layers at batch 8 on the H200; unrolled, SparDA's step had
+        # 8 and 0.2 ms (bench/results/decode_profile.json)
         carry, steps = (x, h0, pre), []
         for i in range(c.num_layers - 1):
             carry, y = body(carry, jax.tree.map(lambda a: a[i], xs))
@@ -379,13 +382,11 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
     row = jnp.arange(l1 * b * kh).reshape(l1, b, kh)  # (layer, sequence, KV head)
     src = jnp.where(done[None, :, None], row * n_slots + slot, -1).reshape(-1).astype(jnp.int32)
     dst = (row * nb + blk[None, :, None]).reshape(-1).astype(jnp.int32)
-    host = {}
-    for name, h in state.host.items():
-        c = state.cache[name]
-        flat = scatter_blocks(c.reshape(-1, *c.shape[4:]).astype(h.dtype), src, dst, h.reshape(-1, *h.shape[4:]),
-                              num_ctas=plan.num_ctas, implementation=plan.copy_impl)
-        host[name] = flat.reshape(h.shape)
-    return state.replace(host=host)
+    names = list(state.host)
+    caches = tuple(state.cache[n].reshape(-1, *state.cache[n].shape[4:]).astype(state.host[n].dtype) for n in names)
+    pools = tuple(state.host[n].reshape(-1, *state.host[n].shape[4:]) for n in names)
+    out = scatter_blocks(caches, src, dst, pools, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
+    return state.replace(host={n: o.reshape(state.host[n].shape) for n, o in zip(names, out)})
 
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
@@ -408,7 +409,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
         return logits, st, {"copied_blocks": 0, "selected_blocks": 0}
     if not isinstance(state, OffloadState):
         raise TypeError(f"mode {mode!r} needs an OffloadState from engine_prefill")
-    if int(jnp.max(positions)) + 1 < config.sparse.dense_len:
+    if int(np.max(np.asarray(positions))) + 1 < config.sparse.dense_len:  # host-side: no device op per step
         raise NotImplementedError("offload modes decode sparse only; below dense_len use a resident mode")
     if mode == "sparda" and config.sparse.local_blocks * config.sparse.block_size < config.sparse.kernel_size:
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "

@@ -1,6 +1,9 @@
 """The copy engine: move KV blocks between a pinned-host pool and device cache slots.
 
-`gather_blocks(pool, src, dst, cache, implementation=...)`:
+`gather_blocks(pool, src, dst, cache, implementation=...)`: cache[dst[t]] = pool[src[t]]. pool
+and cache are one array each, or equal tuples of payloads (a layer's K, V and cis) moved by the
+same task lists in one launch: the copies of one side stream run in order, so K and V as two
+launches made XLA's stream wait for all of K before V's CTAs could start (copy_tasks.h).
   "cuda"  the XLA FFI custom call of kernels/copy/gather_blocks.cu: the GPU reads the host pool
           over UVA with a bounded persistent grid of `num_ctas` CTAs (built with nvcc against
           `jax.ffi.include_dir()` on first use, cached by source hash);
@@ -40,7 +43,7 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas"]
+           "pick_num_ctas", "MAX_PAYLOADS"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -171,6 +174,9 @@ def _register(implementation: str) -> None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol + suffix)), platform=platform)
 
 
+MAX_PAYLOADS = 4  # kMaxPayloads of copy_tasks.h
+
+
 def _check(pool, src, dst, cache):
     if pool.shape[1:] != cache.shape[1:]:
         raise ValueError(f"pool blocks {pool.shape[1:]} and cache slots {cache.shape[1:]} differ")
@@ -180,14 +186,38 @@ def _check(pool, src, dst, cache):
         raise ValueError(f"src and dst must be equal 1-D index arrays, got {src.shape}, {dst.shape}")
 
 
-def gather_blocks_reference(pool, src, dst, cache):
-    """cache[dst[i]] = pool[src[i]] for every i with both indices in range (a task with a
-    negative or too large index is skipped, as the kernels do; in order, later tasks win)."""
-    _check(pool, src, dst, cache)
+def _payloads(pool, cache, src, dst):
+    """(pools, caches, one): the payloads as equal tuples, checked; `one` when the caller passed
+    single arrays (the result is then a single array too)."""
+    one = not isinstance(pool, (tuple, list))
+    if one != (not isinstance(cache, (tuple, list))):
+        raise TypeError("pool and cache must both be arrays or both be tuples of payloads")
+    pools, caches = ((pool,), (cache,)) if one else (tuple(pool), tuple(cache))
+    if len(pools) != len(caches) or not 1 <= len(pools) <= MAX_PAYLOADS:
+        raise ValueError(f"a copy takes 1..{MAX_PAYLOADS} payloads, as many pools as caches; got {len(pools)} pools "
+                         f"and {len(caches)} caches")
+    for p, c in zip(pools, caches):
+        _check(p, src, dst, c)
+    if len({p.shape[0] for p in pools}) > 1 or len({c.shape[0] for c in caches}) > 1:
+        raise ValueError("the payloads of one copy must have the same number of blocks: pools "
+                         f"{[p.shape[0] for p in pools]}, caches {[c.shape[0] for c in caches]}")
+    return pools, caches, one
+
+
+def _gather_one(pool, src, dst, cache):
     p = jax.device_put(pool, jax.memory.Space.Device) if _on_host(pool) else pool
     ok = (src >= 0) & (src < p.shape[0]) & (dst >= 0)
     rows = p[jnp.clip(src, 0, p.shape[0] - 1)]
     return cache.at[jnp.where(ok, dst, cache.shape[0])].set(rows, mode="drop")
+
+
+def gather_blocks_reference(pool, src, dst, cache):
+    """cache[dst[i]] = pool[src[i]] for every i with both indices in range (a task with a
+    negative or too large index is skipped, as the kernels do; in order, later tasks win);
+    payload by payload for tuples."""
+    pools, caches, one = _payloads(pool, cache, src, dst)
+    out = tuple(_gather_one(p, src, dst, c) for p, c in zip(pools, caches))
+    return out[0] if one else out
 
 
 def _on_host(x) -> bool:
@@ -207,57 +237,72 @@ def _resolve(implementation):
     return implementation
 
 
-def _block_bytes(cache) -> np.int64:
-    return np.int64(int(np.prod(cache.shape[1:])) * jnp.dtype(cache.dtype).itemsize)
+def _block_bytes(arrays) -> np.ndarray:
+    return np.array([int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize for a in arrays], np.int64)
+
+
+def _like(arrays, memory=False):
+    if memory:  # a host pool's result stays in its memory space
+        return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, _memory_space=jax.typeof(a).memory_space) for a in arrays)
+    return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
+
+
+def _copy_call(target: str, src, dst, froms, tos, *, has_side_effect=False, host_result=False, **attrs):
+    """One custom call (src, dst, *froms, *tos) -> tos, each `to` aliased to its result."""
+    n = len(tos)
+    call = jax.ffi.ffi_call(target, _like(tos, host_result), input_output_aliases={2 + n + j: j for j in range(n)},
+                            has_side_effect=has_side_effect)
+    return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), *froms, *tos, **attrs))
 
 
 def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: str | None = None):
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
-    (device) -> the updated cache. Blocks are whole trailing dims; their byte size must be a
-    multiple of 16 for "cuda"."""
+    (device) -> the updated cache; or tuples of pools and caches (payloads, one launch) -> the
+    tuple of caches. Blocks are whole trailing dims; their byte size must be a multiple of 16
+    for "cuda"."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
-    _check(pool, src, dst, cache)
+    pools, caches, one = _payloads(pool, cache, src, dst)
     _register(implementation)
-    call = jax.ffi.ffi_call("sparda_gather_blocks", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                            input_output_aliases={3: 0})
-    return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
-                block_bytes=_block_bytes(cache))
+    out = _copy_call("sparda_gather_blocks", src, dst, pools, caches, num_ctas=np.int32(num_ctas),
+                     block_bytes=_block_bytes(caches))
+    return out[0] if one else out
 
 
 def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True,
                         implementation: str | None = None):
-    """Start `gather_blocks`; returns the cache being written. Nothing may read it before
-    `gather_blocks_wait(cache, src, dst, after)` with the same src and dst. resident: XLA's
-    stream goes on only once every copy CTA holds its SM (else a persistent GEMM issued next
-    can hold all SMs and the copy waits for it)."""
+    """Start `gather_blocks`; returns the cache (or tuple of caches) being written. Nothing may
+    read it before `gather_blocks_wait(cache, src, dst, after)` with the same src and dst.
+    resident: XLA's stream goes on only once every copy CTA holds its SM (else a persistent GEMM
+    issued next can hold all SMs and the copy waits for it)."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
-    _check(pool, src, dst, cache)
+    pools, caches, one = _payloads(pool, cache, src, dst)
     _register(implementation)
-    call = jax.ffi.ffi_call("sparda_gather_start", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                            input_output_aliases={3: 0}, has_side_effect=True)
-    return call(pool, src.astype(jnp.int32), dst.astype(jnp.int32), cache, num_ctas=np.int32(num_ctas),
-                block_bytes=_block_bytes(cache), resident=np.int32(resident))
+    out = _copy_call("sparda_gather_start", src, dst, pools, caches, has_side_effect=True,
+                     num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident))
+    return out[0] if one else out
 
 
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
-    """The cache once the copy started into it is complete. src, dst: the start's (kept alive
-    for the copy); after: any array the wait must follow in XLA's schedule."""
+    """The cache (or tuple of caches) once the copy started into it is complete. src, dst: the
+    start's (kept alive for the copy); after: any array the wait must follow in XLA's schedule."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return cache
     _register(implementation)
-    call = jax.ffi.ffi_call("sparda_gather_wait", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                            input_output_aliases={0: 0}, has_side_effect=True)
-    return call(cache, src.astype(jnp.int32), dst.astype(jnp.int32), after)
+    one = not isinstance(cache, (tuple, list))
+    caches = (cache,) if one else tuple(cache)
+    n = len(caches)
+    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)},
+                            has_side_effect=True)
+    out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))
+    return out[0] if one else out
 
 
-def scatter_blocks_reference(cache, src, dst, pool):
-    """pool[dst[i]] = cache[src[i]] for every i with both indices in range (later tasks win)."""
-    _check(pool, dst, src, cache)
+def _scatter_one(cache, src, dst, pool):
     on_host = _on_host(pool)
     p = jax.device_put(pool, jax.memory.Space.Device) if on_host else pool
     ok = (src >= 0) & (src < cache.shape[0]) & (dst >= 0)
@@ -266,17 +311,24 @@ def scatter_blocks_reference(cache, src, dst, pool):
     return jax.device_put(p, jax.memory.Space.Host) if on_host else p
 
 
+def scatter_blocks_reference(cache, src, dst, pool):
+    """pool[dst[i]] = cache[src[i]] for every i with both indices in range (later tasks win);
+    payload by payload for tuples."""
+    pools, caches, one = _payloads(pool, cache, dst, src)
+    out = tuple(_scatter_one(c, src, dst, p) for c, p in zip(caches, pools))
+    return out[0] if one else out
+
+
 def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, implementation: str | None = None):
     """cache [n_slots, *block] (device), src/dst int32 [n], pool [n_pool, *block] (pinned host
-    for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]. "cuda" writes only those blocks,
-    over UVA, into the pool's own memory (it is aliased to the output); the reference moves the
-    whole pool to the device and back."""
+    for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]; or tuples (payloads, one launch)
+    -> the tuple of pools. "cuda" writes only those blocks, over UVA, into the pool's own memory
+    (it is aliased to the output); the reference moves the whole pool to the device and back."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return scatter_blocks_reference(cache, src, dst, pool)
-    _check(pool, dst, src, cache)
+    pools, caches, one = _payloads(pool, cache, dst, src)
     _register(implementation)
-    out = jax.ShapeDtypeStruct(pool.shape, pool.dtype, _memory_space=jax.typeof(pool).memory_space)
-    call = jax.ffi.ffi_call("sparda_scatter_blocks", out, input_output_aliases={3: 0})
-    return call(cache, src.astype(jnp.int32), dst.astype(jnp.int32), pool, num_ctas=np.int32(num_ctas),
-                block_bytes=_block_bytes(cache))
+    out = _copy_call("sparda_scatter_blocks", src, dst, caches, pools, host_result=True, num_ctas=np.int32(num_ctas),
+                     block_bytes=_block_bytes(caches))
+    return out[0] if one else out

@@ -137,7 +137,9 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     prof = rows[("sparda", "random")]["profile"]
     assert prof["source"].startswith("host") and prof["events"] > 0 and prof["steps"] == 2
     assert 0 < prof["busy_s_per_step"] <= prof["span_s_per_step"] and prof["top"]
-    assert (tmp_path / "profiles" / "decode_sparda_T256_B8").is_dir() and "profile" not in rows[("sparda", "reuse=0.50")]
+    # the trace is kept flat beside the profile folder (the device tool brings back shallow files)
+    assert (tmp_path / "profiles" / "decode_sparda_T256_B8.trace.json.gz").is_file()
+    assert not (tmp_path / "profiles" / "decode_sparda_T256_B8").exists() and "profile" not in rows[("sparda", "reuse=0.50")]
     assert "profile SparDA T=256 B=8 (host" in table(r)
     out = plot(tmp_path / "decode.json")
     assert out is None or out.endswith("decode.png")
@@ -169,6 +171,13 @@ def test_trace_summary_of_a_known_trace():
                                          rel=1e-12)  # float sums of microseconds
     assert [t["name"] for t in s["top"]] == ["copy", "a", "b"] and s["top"][0]["calls_per_step"] == 1
     assert s["derived_lines_s_per_step"] == pytest.approx({"XLA Modules": 450e-6}, rel=1e-12)
+    assert s["overlap_s_per_step"] == pytest.approx(50e-6, rel=1e-9)  # copy beside a: 50-100 us
+    m = s["modules"]  # executions 0-450 and 1000-1450: 550 us between, over 2 steps
+    assert m["executions"] == 2 and m["gap_s_per_step"] == pytest.approx(275e-6, rel=1e-9)
+    # inside each: idle 250-300 (copy -> b) and 400-450 (b -> the end)
+    assert m["idle_inside_s_per_step"] == pytest.approx(100e-6, rel=1e-9)
+    assert {(g["after"], g["before"]) for g in m["largest_gaps"]} == {("copy", "b"), ("b", "(end)")}
+    assert s["host_top"] == [{"name": "host work", "s_per_step": pytest.approx(999e-6, rel=1e-9), "calls_per_step": 1}]
 
 
 def test_decode_bench_reports_what_does_not_fit():

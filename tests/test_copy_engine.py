@@ -79,6 +79,38 @@ def test_errors_and_quota():
     assert paper_num_ctas(8) == 16 and paper_num_ctas(64) == 32 and paper_num_ctas(48, "A100") == 16
 
 
+def _payload_case(seed, n_pool=40, n_slots=12, n=9):
+    """K and V (bf16 blocks of 64 x 128) and NOSA's cis (f32 blocks of 64 x 1, 256 bytes): the
+    engine's payloads, moved by one task list."""
+    pool, src, dst, cache = _case(seed, n_pool, n_slots, n)
+    pv, _, _, cv = _case(seed + 100, n_pool, n_slots, n)
+    pc, _, _, cc = _case(seed + 200, n_pool, n_slots, n, block=(64, 1), dtype=jnp.float32)
+    return (pool, pv, pc), src, dst, (cache, cv, cc)
+
+
+def test_payloads_move_together_and_equal_one_by_one():
+    pools, src, dst, caches = _payload_case(10)
+    got = gather_blocks_reference(pools, src, dst, caches)
+    assert isinstance(got, tuple) and len(got) == 3
+    for g, p, c in zip(got, pools, caches):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(gather_blocks_reference(p, src, dst, c)))
+    back = scatter_blocks_reference(caches, dst, src, pools)
+    for b, p, c in zip(back, pools, caches):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(scatter_blocks_reference(c, dst, src, p)))
+
+
+def test_payload_errors():
+    pools, src, dst, caches = _payload_case(11)
+    with pytest.raises(ValueError, match="as many pools as caches"):
+        gather_blocks(pools, src, dst, caches[:2], implementation="xla")
+    with pytest.raises(TypeError, match="both be arrays or both be tuples"):
+        gather_blocks(pools, src, dst, caches[0], implementation="xla")
+    with pytest.raises(ValueError, match="same number of blocks"):
+        gather_blocks((pools[0], pools[1][:30]), src, dst, caches[:2], implementation="xla")
+    with pytest.raises(ValueError, match="1..4 payloads"):
+        gather_blocks(pools + pools[:2], src, dst, caches + caches[:2], implementation="xla")
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="no nvcc on this machine")
 def test_cuda_source_compiles(tmp_path):
     lib = build_library(tmp_path)
@@ -119,6 +151,30 @@ def test_cuda_start_wait_equals_reference_with_work_between():
     for resident in (False, True, True):  # repeated: events, streams and the CTA counter are reused
         out, _ = f(host, src, dst, cache, w, resident)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
+
+
+@pytest.mark.gpu
+def test_cuda_payloads_in_one_launch_equal_reference():
+    """K, V and a 256-byte cis payload: gather, start/wait and write-back, one launch each."""
+    pools, src, dst, caches = _payload_case(12, n_pool=300, n_slots=64, n=48)
+    src, dst = _out_of_range(src, dst, 300, 64)
+    hosts = tuple(_on_host(p) for p in pools)
+    want = gather_blocks_reference(pools, src, dst, caches)
+    for ctas in (1, 16):
+        got = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, num_ctas=ctas, implementation="cuda"))(
+            hosts, src, dst, caches)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    sw = jax.jit(lambda p, s, d, c: gather_blocks_wait(gather_blocks_start(p, s, d, c, implementation="cuda"),
+                                                        s, d, jnp.ones(2), implementation="cuda"))
+    for g, w in zip(sw(hosts, src, dst, caches), want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    slots, blocks = _out_of_range(dst, src, 64, 300)
+    sc = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, implementation="cuda"), donate_argnums=3)(
+        caches, slots, blocks, hosts)
+    for g, c, p in zip(sc, caches, pools):
+        assert g.sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(scatter_blocks_reference(c, slots, blocks, p)))
 
 
 @pytest.mark.gpu
@@ -164,6 +220,25 @@ def test_host_ffi_twin_equals_the_reference():
     slots, blocks = _out_of_range(dst, src, cache.shape[0], pool.shape[0])
     sc = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, implementation="host_ffi"))(cache, slots, blocks, pool)
     np.testing.assert_array_equal(np.asarray(sc), np.asarray(scatter_blocks_reference(cache, slots, blocks, pool)))
+
+
+@needs_cxx
+def test_host_ffi_twin_moves_payloads_in_one_call():
+    pools, src, dst, caches = _payload_case(13)
+    src, dst = _out_of_range(src, dst, 40, 12)
+    want = gather_blocks_reference(pools, src, dst, caches)
+    got = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, implementation="host_ffi"))(pools, src, dst, caches)
+    sw = jax.jit(lambda p, s, d, c: gather_blocks_wait(gather_blocks_start(p, s, d, c, implementation="host_ffi"),
+                                                        s, d, jnp.ones(2), implementation="host_ffi"))(
+        pools, src, dst, caches)
+    for g, h, w in zip(got, sw, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        np.testing.assert_array_equal(np.asarray(h), np.asarray(w))
+    assert host_copies_in_flight() == 0
+    slots, blocks = _out_of_range(dst, src, 12, 40)
+    sc = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, implementation="host_ffi"))(caches, slots, blocks, pools)
+    for g, c, p in zip(sc, caches, pools):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(scatter_blocks_reference(c, slots, blocks, p)))
 
 
 @needs_cxx

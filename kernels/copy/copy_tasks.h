@@ -1,13 +1,26 @@
 // sparda-jax copy engine: the argument rules every copy obeys, shared by the CUDA handlers
 // (gather_blocks.cu) and their CPU twin (gather_blocks_host.cc) so the two cannot drift apart.
-// A copy moves whole blocks of block_bytes from `from` to `to` by task lists src/dst of equal
-// length; a task with an index out of range is skipped by both.
+//
+// One copy moves whole blocks by task lists src/dst of equal length, for up to kMaxPayloads
+// payloads at once (a layer's K, V and NOSA's cis): task t moves block src[t] of every payload's
+// `from` buffer to block dst[t] of its `to` buffer. One launch for all payloads, not one per
+// payload: on the side stream copies run in order, so a second launch (V after K) made XLA's
+// stream, which waits for a copy's CTAs to be resident, wait for the whole first one
+// (bench/results/decode_profile.json: copy and compute did not overlap). The payloads of one
+// copy have the same number of blocks on each side, of their own byte sizes. A task with an
+// index out of range on either side is skipped by both implementations.
+//
+// Operands of every handler, after its fixed ones (src, dst, ...): `from` x n, then the
+// inputs aliased to the results x n; results: the `to` buffers x n.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "xla/ffi/api/ffi.h"
+
+constexpr int kMaxPayloads = 4;
 
 inline xla::ffi::Error check_copy_args(size_t from_bytes, size_t to_bytes, size_t n_src, size_t n_dst,
                                        int64_t block_bytes) {
@@ -21,4 +34,59 @@ inline xla::ffi::Error check_copy_args(size_t from_bytes, size_t to_bytes, size_
     return xla::ffi::Error::InvalidArgument("src and dst must have the same length");
   }
   return xla::ffi::Error::Success();
+}
+
+// The buffers of one multi-payload copy, decoded and checked.
+struct CopyPayloads {
+  int n = 0;
+  const void* from[kMaxPayloads] = {};
+  const void* to_in[kMaxPayloads] = {};  // the inputs aliased to `to` (the same buffers, unless XLA split them)
+  void* to[kMaxPayloads] = {};
+  size_t from_bytes[kMaxPayloads] = {};
+  size_t to_bytes[kMaxPayloads] = {};
+  int64_t block_bytes[kMaxPayloads] = {};
+  int64_t n_from = 0;  // blocks in each `from`
+  int64_t n_to = 0;    // blocks in each `to`
+};
+
+// args: from x n, to_in x n (what follows the handler's fixed operands); rets: to x n;
+// block_bytes: one per payload.
+inline xla::ffi::Error decode_payloads(const xla::ffi::RemainingArgs& args, const xla::ffi::RemainingRets& rets,
+                                       xla::ffi::Span<const int64_t> block_bytes, size_t n_src, size_t n_dst,
+                                       CopyPayloads* p) {
+  namespace ffi = xla::ffi;
+  const size_t n = rets.size();
+  if (n < 1 || n > static_cast<size_t>(kMaxPayloads) || args.size() != 2 * n || block_bytes.size() != n) {
+    return ffi::Error::InvalidArgument("a copy takes 1.." + std::to_string(kMaxPayloads) +
+                                       " payloads: from x n, aliased inputs x n, results x n, block_bytes x n");
+  }
+  p->n = static_cast<int>(n);
+  for (size_t j = 0; j < n; ++j) {
+    auto from = args.get<ffi::AnyBuffer>(j);
+    auto to_in = args.get<ffi::AnyBuffer>(n + j);
+    auto to = rets.get<ffi::AnyBuffer>(j);
+    if (!from.has_value() || !to_in.has_value() || !to.has_value()) {
+      return ffi::Error::InvalidArgument("copy payload operands must be buffers");
+    }
+    p->from[j] = from->untyped_data();
+    p->from_bytes[j] = from->size_bytes();
+    p->to_in[j] = to_in->untyped_data();
+    p->to[j] = (*to)->untyped_data();
+    p->to_bytes[j] = (*to)->size_bytes();
+    p->block_bytes[j] = block_bytes[j];
+    ffi::Error e = check_copy_args(p->from_bytes[j], p->to_bytes[j], n_src, n_dst, block_bytes[j]);
+    if (e.failure()) return e;
+    if (to_in->size_bytes() != p->to_bytes[j]) {
+      return ffi::Error::InvalidArgument("an aliased input and its result differ in size");
+    }
+    const int64_t nf = static_cast<int64_t>(p->from_bytes[j]) / block_bytes[j];
+    const int64_t nt = static_cast<int64_t>(p->to_bytes[j]) / block_bytes[j];
+    if (j == 0) {
+      p->n_from = nf;
+      p->n_to = nt;
+    } else if (nf != p->n_from || nt != p->n_to) {
+      return ffi::Error::InvalidArgument("the payloads of one copy must have the same number of blocks");
+    }
+  }
+  return ffi::Error::Success();
 }

@@ -4,7 +4,7 @@
 // hands the handler its host pointer, which the GPU reads (or writes) directly over unified
 // virtual addressing (UVA). One launch of a bounded, persistent grid: `num_ctas` CTAs loop
 // over the copy tasks, so the copy holds few SMs while attention and FFN run beside it (the
-// paper's CTA quota). Each task moves one block of `block_bytes` with 16-byte loads and stores.
+// paper's CTA quota). Each task moves one block of every payload with 16-byte loads and stores.
 //
 //   SpardaGatherBlocks   cache[dst[t]] = pool[src[t]] on XLA's stream (synchronous in stream order)
 //   SpardaGatherStart    the same copy on a high-priority side stream, after XLA's stream has
@@ -19,11 +19,12 @@
 //   SpardaScatterBlocks  pool[dst[t]] = cache[src[t]]: device slots written back into the host
 //                        pool in place (the pool is aliased to the output)
 //
-//   pool   [n_pool, block_bytes]   host (pinned), any dtype, viewed as bytes
-//   src    int32 [n]               source block per task (< 0: no task)
-//   dst    int32 [n]               destination block per task
-//   cache  [n_slots, block_bytes]  device, aliased to the output (updated in place; if XLA
-//                                  hands over a separate output buffer, it starts as a copy)
+//   Operands (copy_tasks.h): src, dst int32 [n] (the task lists; src < 0: no task), then per
+//   payload (K, V, cis: 1..kMaxPayloads, one launch for all) the `from` buffers, then the
+//   buffers aliased to the results (updated in place; if XLA hands over separate output
+//   buffers, they start as copies); attr block_bytes, one per payload.
+//   gather: from = pools [n_pool, block] (pinned host, viewed as bytes), to = caches [n_slots, block]
+//   scatter: from = caches, to = pools
 
 #include <cstdint>
 #include <mutex>
@@ -39,22 +40,42 @@
 
 namespace ffi = xla::ffi;
 
-__global__ void copy_blocks_kernel(const uint4* __restrict__ from, const int32_t* __restrict__ src,
-                                   const int32_t* __restrict__ dst, uint4* __restrict__ to, int64_t n_tasks,
-                                   int64_t vecs_per_block, int64_t n_from, int64_t n_to,
+struct KernelPayloads {  // by value: a launch's payloads in constant memory
+  const uint4* from[kMaxPayloads];
+  uint4* to[kMaxPayloads];
+  int64_t vecs[kMaxPayloads];  // 16-byte vectors per block
+  int n;
+};
+
+// Loads of kUnroll vectors per thread are issued before their stores: a read over PCIe takes
+// about a microsecond, and one vector in flight per thread would cap a CTA at 4 KB per latency.
+constexpr int kUnroll = 4;
+
+__global__ void copy_blocks_kernel(KernelPayloads p, const int32_t* __restrict__ src,
+                                   const int32_t* __restrict__ dst, int64_t n_tasks, int64_t n_from, int64_t n_to,
                                    unsigned int* started) {
   if (started != nullptr && threadIdx.x == 0) {  // announce that this CTA holds its SM
     atomicAdd(started, 1u);
     __threadfence_system();
   }
+  const int64_t step = blockDim.x;
   for (int64_t t = blockIdx.x; t < n_tasks; t += gridDim.x) {
     const int32_t s = src[t];
     const int32_t d = dst[t];
     if (s < 0 || s >= n_from || d < 0 || d >= n_to) continue;
-    const uint4* a = from + static_cast<int64_t>(s) * vecs_per_block;
-    uint4* b = to + static_cast<int64_t>(d) * vecs_per_block;
-    for (int64_t i = threadIdx.x; i < vecs_per_block; i += blockDim.x) {
-      b[i] = a[i];
+    for (int j = 0; j < p.n; ++j) {
+      const int64_t vecs = p.vecs[j];
+      const uint4* __restrict__ a = p.from[j] + static_cast<int64_t>(s) * vecs;
+      uint4* __restrict__ b = p.to[j] + static_cast<int64_t>(d) * vecs;
+      int64_t i = threadIdx.x;
+      for (; i + (kUnroll - 1) * step < vecs; i += kUnroll * step) {
+        uint4 r[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) r[u] = a[i + u * step];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) b[i + u * step] = r[u];
+      }
+      for (; i < vecs; i += step) b[i] = a[i];
     }
   }
 }
@@ -63,58 +84,62 @@ static ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
-// The output should be the input's buffer (input_output_aliases), but XLA may hand over two
-// buffers (seen on the H200 inside the engine's jit): then the output starts as a copy of the input.
-static ffi::Error alias_or_copy(cudaStream_t stream, const void* in, void* out, size_t bytes) {
-  if (in == out) return ffi::Error::Success();
-  const cudaError_t err = cudaMemcpyAsync(out, in, bytes, cudaMemcpyDefault, stream);
-  if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+// The outputs should be the inputs' buffers (input_output_aliases), but XLA may hand over two
+// buffers (seen on the H200 inside the engine's jit): then an output starts as a copy of its input.
+static ffi::Error alias_or_copy(cudaStream_t stream, const CopyPayloads& p) {
+  for (int j = 0; j < p.n; ++j) {
+    if (p.to_in[j] == p.to[j]) continue;
+    const cudaError_t err = cudaMemcpyAsync(p.to[j], p.to_in[j], p.to_bytes[j], cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+  }
   return ffi::Error::Success();
 }
 
-// Validates one copy from `from` (n_from blocks) into `to` (n_to blocks) and launches it.
 static int copy_grid(int64_t n, int32_t num_ctas) {
   return static_cast<int>(num_ctas < 1 ? 1 : (num_ctas > n ? n : num_ctas));
 }
 
-static ffi::Error launch_copy(cudaStream_t stream, const void* from, size_t from_bytes, ffi::Buffer<ffi::S32> src,
-                              ffi::Buffer<ffi::S32> dst, void* to, size_t to_bytes, int32_t num_ctas,
-                              int64_t block_bytes, unsigned int* started = nullptr) {
-  ffi::Error e = check_copy_args(from_bytes, to_bytes, src.element_count(), dst.element_count(), block_bytes);
-  if (e.failure()) return e;
-  if (reinterpret_cast<uintptr_t>(from) % 16 != 0 || reinterpret_cast<uintptr_t>(to) % 16 != 0) {
-    return ffi::Error::InvalidArgument("pool and cache must be 16-byte aligned");
+// Launches one copy of every payload (already decoded and checked).
+static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::Buffer<ffi::S32> src,
+                              ffi::Buffer<ffi::S32> dst, int32_t num_ctas, unsigned int* started = nullptr) {
+  KernelPayloads k{};
+  k.n = p.n;
+  for (int j = 0; j < p.n; ++j) {
+    if (reinterpret_cast<uintptr_t>(p.from[j]) % 16 != 0 || reinterpret_cast<uintptr_t>(p.to[j]) % 16 != 0) {
+      return ffi::Error::InvalidArgument("pool and cache must be 16-byte aligned");
+    }
+    k.from[j] = static_cast<const uint4*>(p.from[j]);
+    k.to[j] = static_cast<uint4*>(p.to[j]);
+    k.vecs[j] = p.block_bytes[j] / 16;
   }
   const int64_t n = static_cast<int64_t>(src.element_count());
   if (n == 0) return ffi::Error::Success();
-  copy_blocks_kernel<<<copy_grid(n, num_ctas), 256, 0, stream>>>(
-      static_cast<const uint4*>(from), src.typed_data(), dst.typed_data(), static_cast<uint4*>(to), n,
-      block_bytes / 16, static_cast<int64_t>(from_bytes / block_bytes), static_cast<int64_t>(to_bytes / block_bytes),
-      started);
+  copy_blocks_kernel<<<copy_grid(n, num_ctas), 256, 0, stream>>>(k, src.typed_data(), dst.typed_data(), n, p.n_from,
+                                                                 p.n_to, started);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error("copy_blocks launch failed", err);
   return ffi::Error::Success();
 }
 
-static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
-                                   ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
-                                   ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes) {
-  ffi::Error e = alias_or_copy(stream, cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
+                                   ffi::Span<const int64_t> block_bytes) {
+  CopyPayloads p;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
-  return launch_copy(stream, pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
-                     cache_out->size_bytes(), num_ctas, block_bytes);
+  if ((e = alias_or_copy(stream, p)).failure()) return e;
+  return launch_copy(stream, p, src, dst, num_ctas);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, GatherBlocksImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // pool (pinned host)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .Arg<ffi::AnyBuffer>()          // cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // cache
+                                  .RemainingArgs()                // pools (pinned host) x n, caches x n (aliased)
+                                  .RemainingRets()                // caches x n
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes"));
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes"));
 
 // ---------------------------------------------------------------- asynchronous gather (start / wait)
 
@@ -182,18 +207,19 @@ cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
 
 }  // namespace
 
-static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src,
-                                  ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer cache_in,
-                                  ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas, int64_t block_bytes,
-                                  int32_t resident) {
-  // before `ready` is recorded, so the side stream writes into the completed copy
-  ffi::Error e0 = alias_or_copy(stream, cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                  ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
+                                  ffi::Span<const int64_t> block_bytes, int32_t resident) {
+  CopyPayloads p;
+  ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e0.failure()) return e0;
+  // before `ready` is recorded, so the side stream writes into the completed copies
+  if ((e0 = alias_or_copy(stream, p)).failure()) return e0;
   std::lock_guard<std::mutex> lock(g_mu);
   SideStream* s = nullptr;
   cudaError_t err = side_stream(&s);
   if (err != cudaSuccess) return cuda_error("side stream", err);
-  const auto key = reinterpret_cast<uintptr_t>(cache_out->untyped_data());
+  const auto key = reinterpret_cast<uintptr_t>(p.to[0]);  // a copy is known by its first cache
   if (s->in_flight.count(key)) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
   }
@@ -201,13 +227,12 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi:
   if ((err = take_event(*s, &ready)) != cudaSuccess || (err = take_event(*s, &done)) != cudaSuccess) {
     return cuda_error("event", err);
   }
-  // the side stream starts once XLA's stream has produced the ids and the cache
+  // the side stream starts once XLA's stream has produced the ids and the caches
   if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   if ((err = cudaStreamWaitEvent(s->stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
   const int64_t n = static_cast<int64_t>(src.element_count());
-  ffi::Error e = launch_copy(s->stream, pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
-                             cache_out->size_bytes(), num_ctas, block_bytes, resident ? s->started : nullptr);
+  ffi::Error e = launch_copy(s->stream, p, src, dst, num_ctas, resident ? s->started : nullptr);
   if (e.failure()) return e;
   if ((err = cudaEventRecord(done, s->stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   s->in_flight[key] = done;
@@ -226,62 +251,73 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::AnyBuffer pool, ffi:
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // pool (pinned host)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .Arg<ffi::AnyBuffer>()          // cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // cache, being written
+                                  .RemainingArgs()                // pools x n, caches x n (aliased)
+                                  .RemainingRets()                // caches x n, being written
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident"));
 
-static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> src,
-                                 ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
-                                 ffi::Result<ffi::AnyBuffer> cache_out) {
+static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                 ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
+  if (rets.size() < 1 || args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument("a wait takes the started caches and returns them");
+  }
+  auto first = args.get<ffi::AnyBuffer>(0);
+  if (!first.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
   std::lock_guard<std::mutex> lock(g_mu);
   SideStream* s = nullptr;
   cudaError_t err = side_stream(&s);
   if (err != cudaSuccess) return cuda_error("side stream", err);
-  // the start's output is this call's input
-  const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(cache_in.untyped_data()));
+  // the start's outputs are this call's inputs
+  const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(first->untyped_data()));
   if (it == s->in_flight.end()) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
   }
   if ((err = cudaStreamWaitEvent(stream, it->second, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(it->second);
   s->in_flight.erase(it);
-  return alias_or_copy(stream, cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
+    if (in->untyped_data() == (*out)->untyped_data()) continue;
+    err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(), cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+  }
+  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // cache being written (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src (kept alive)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst (kept alive)
                                   .Arg<ffi::AnyBuffer>()          // after: orders the wait
-                                  .Ret<ffi::AnyBuffer>());        // cache, complete
+                                  .RemainingArgs()                // caches being written x n (aliased)
+                                  .RemainingRets());              // caches, complete
 
 // ---------------------------------------------------------------- write-back into the host pool
 
-static ffi::Error ScatterBlocksImpl(cudaStream_t stream, ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> src,
-                                    ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer pool_in,
-                                    ffi::Result<ffi::AnyBuffer> pool_out, int32_t num_ctas, int64_t block_bytes) {
-  // unaliased (not seen so far): correct but slow, the whole pool crosses PCIe twice
-  ffi::Error e = alias_or_copy(stream, pool_in.untyped_data(), pool_out->untyped_data(), pool_out->size_bytes());
+static ffi::Error ScatterBlocksImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                    ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
+                                    ffi::Span<const int64_t> block_bytes) {
+  CopyPayloads p;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
-  return launch_copy(stream, cache.untyped_data(), cache.size_bytes(), src, dst, pool_out->untyped_data(),
-                     pool_out->size_bytes(), num_ctas, block_bytes);
+  // unaliased (not seen so far): correct but slow, the whole pool crosses PCIe twice
+  if ((e = alias_or_copy(stream, p)).failure()) return e;
+  return launch_copy(stream, p, src, dst, num_ctas);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, ScatterBlocksImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // cache (device)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst: pool block per task
-                                  .Arg<ffi::AnyBuffer>()          // pool (pinned host, aliased)
-                                  .Ret<ffi::AnyBuffer>()          // pool
+                                  .RemainingArgs()                // caches x n, pools x n (pinned host, aliased)
+                                  .RemainingRets()                // pools x n
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes"));
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes"));

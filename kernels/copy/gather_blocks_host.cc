@@ -23,120 +23,132 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-void alias_or_copy(const void* in, void* out, size_t bytes) {
-  if (in != out) std::memcpy(out, in, bytes);
+void alias_or_copy(const CopyPayloads& p) {
+  for (int j = 0; j < p.n; ++j) {
+    if (p.to_in[j] != p.to[j]) std::memcpy(p.to[j], p.to_in[j], p.to_bytes[j]);
+  }
 }
 
-// cache[dst[t]] = pool[src[t]] (or the reverse for the write-back), the CUDA kernel's rules:
-// whole blocks of block_bytes, a task with an index out of range is skipped
-ffi::Error copy_rows(const void* from, size_t from_bytes, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                     void* to, size_t to_bytes, int64_t block_bytes) {
-  ffi::Error e = check_copy_args(from_bytes, to_bytes, src.element_count(), dst.element_count(), block_bytes);
-  if (e.failure()) return e;
-  const int64_t n_from = static_cast<int64_t>(from_bytes) / block_bytes;
-  const int64_t n_to = static_cast<int64_t>(to_bytes) / block_bytes;
+// to_j[dst[t]] = from_j[src[t]] for every payload j, the CUDA kernel's rules: whole blocks, a
+// task with an index out of range is skipped
+void copy_rows(const CopyPayloads& p, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst) {
   const int32_t* s = src.typed_data();
   const int32_t* d = dst.typed_data();
   for (size_t t = 0; t < src.element_count(); ++t) {
-    if (s[t] < 0 || s[t] >= n_from || d[t] < 0 || d[t] >= n_to) continue;
-    std::memcpy(static_cast<char*>(to) + d[t] * block_bytes, static_cast<const char*>(from) + s[t] * block_bytes,
-                block_bytes);
+    if (s[t] < 0 || s[t] >= p.n_from || d[t] < 0 || d[t] >= p.n_to) continue;
+    for (int j = 0; j < p.n; ++j) {
+      const int64_t bb = p.block_bytes[j];
+      std::memcpy(static_cast<char*>(p.to[j]) + d[t] * bb, static_cast<const char*>(p.from[j]) + s[t] * bb, bb);
+    }
   }
-  return ffi::Error::Success();
 }
 
 std::mutex g_mu;
-std::unordered_set<uintptr_t> g_in_flight;  // the buffers started copies write, until their wait
+std::unordered_set<uintptr_t> g_in_flight;  // the first buffer of each started copy, until its wait
 
 }  // namespace
 
-static ffi::Error GatherBlocksImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                                   ffi::AnyBuffer cache_in, ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas,
-                                   int64_t block_bytes) {
+static ffi::Error GatherBlocksImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
+                                   ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes) {
   (void)num_ctas;
-  alias_or_copy(cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
-  return copy_rows(pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
-                   cache_out->size_bytes(), block_bytes);
+  CopyPayloads p;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e.failure()) return e;
+  alias_or_copy(p);
+  copy_rows(p, src, dst);
+  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, GatherBlocksImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .Arg<ffi::AnyBuffer>()          // cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // cache
+                                  .RemainingArgs()                // pools x n, caches x n (aliased)
+                                  .RemainingRets()                // caches x n
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes"));
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes"));
 
-static ffi::Error GatherStartImpl(ffi::AnyBuffer pool, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                                  ffi::AnyBuffer cache_in, ffi::Result<ffi::AnyBuffer> cache_out, int32_t num_ctas,
-                                  int64_t block_bytes, int32_t resident) {
+static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
+                                  ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
+                                  int32_t resident) {
   (void)num_ctas;
   (void)resident;
-  alias_or_copy(cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+  CopyPayloads p;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e.failure()) return e;
+  alias_or_copy(p);
   std::lock_guard<std::mutex> lock(g_mu);
-  const auto key = reinterpret_cast<uintptr_t>(cache_out->untyped_data());
+  const auto key = reinterpret_cast<uintptr_t>(p.to[0]);  // a copy is known by its first cache
   if (g_in_flight.count(key)) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
   }
-  ffi::Error e = copy_rows(pool.untyped_data(), pool.size_bytes(), src, dst, cache_out->untyped_data(),
-                           cache_out->size_bytes(), block_bytes);
-  if (e.failure()) return e;
+  copy_rows(p, src, dst);
   g_in_flight.insert(key);
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // pool
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .Arg<ffi::AnyBuffer>()          // cache (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // cache, "being written"
+                                  .RemainingArgs()                // pools x n, caches x n (aliased)
+                                  .RemainingRets()                // caches x n, "being written"
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident"));
 
-static ffi::Error GatherWaitImpl(ffi::AnyBuffer cache_in, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                                 ffi::AnyBuffer after, ffi::Result<ffi::AnyBuffer> cache_out) {
+static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
+                                 ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src;
   (void)dst;
   (void)after;
+  if (rets.size() < 1 || args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument("a wait takes the started caches and returns them");
+  }
+  auto first = args.get<ffi::AnyBuffer>(0);
+  if (!first.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
   std::lock_guard<std::mutex> lock(g_mu);
-  if (g_in_flight.erase(reinterpret_cast<uintptr_t>(cache_in.untyped_data())) == 0) {
+  if (g_in_flight.erase(reinterpret_cast<uintptr_t>(first->untyped_data())) == 0) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
   }
-  alias_or_copy(cache_in.untyped_data(), cache_out->untyped_data(), cache_out->size_bytes());
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
+    if (in->untyped_data() != (*out)->untyped_data()) {
+      std::memcpy((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes());
+    }
+  }
   return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWaitHost, GatherWaitImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // cache being written (aliased)
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
                                   .Arg<ffi::AnyBuffer>()          // after
-                                  .Ret<ffi::AnyBuffer>());        // cache, complete
+                                  .RemainingArgs()                // caches being written x n (aliased)
+                                  .RemainingRets());              // caches, complete
 
-static ffi::Error ScatterBlocksImpl(ffi::AnyBuffer cache, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                                    ffi::AnyBuffer pool_in, ffi::Result<ffi::AnyBuffer> pool_out, int32_t num_ctas,
-                                    int64_t block_bytes) {
+static ffi::Error ScatterBlocksImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
+                                    ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes) {
   (void)num_ctas;
-  alias_or_copy(pool_in.untyped_data(), pool_out->untyped_data(), pool_out->size_bytes());
-  return copy_rows(cache.untyped_data(), cache.size_bytes(), src, dst, pool_out->untyped_data(),
-                   pool_out->size_bytes(), block_bytes);
+  CopyPayloads p;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e.failure()) return e;
+  alias_or_copy(p);
+  copy_rows(p, src, dst);
+  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, ScatterBlocksImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()          // cache
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst: pool block per task
-                                  .Arg<ffi::AnyBuffer>()          // pool (aliased)
-                                  .Ret<ffi::AnyBuffer>()          // pool
+                                  .RemainingArgs()                // caches x n, pools x n (aliased)
+                                  .RemainingRets()                // pools x n
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<int64_t>("block_bytes"));
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes"));
 
 // How many starts are still waiting for their wait: 0 after every complete engine step.
 extern "C" int64_t sparda_host_copies_in_flight() {

@@ -9,6 +9,10 @@ for stage in "$@"; do
     tests)       # every GPU-marked test (kernels, copy engine, engine, cuDNN); ~150 s when all compile
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests \
         > "$OUT/gpu_tests.log" 2>&1; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15 ;;
+    tests-engine)  # the GPU tests of the copy engine and the offload engine alone (~90 s)
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_copy_engine.py tests/test_engine.py > "$OUT/gpu_tests_engine.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_engine.log" | tail -15 ;;
     copy)        # bench: UVA gather vs bulk vs XLA loop vs host gather, CTA sweep, overlap, write-back (~100 s)
       timeout 200 python3 -m sparda_jax.cli bench copy --repeats 10 --sizes 1 8 32 --out "$OUT/copy.json" 2>&1 | tail -30 ;;
     attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also the 2-buffer kernel,
@@ -25,9 +29,17 @@ for stage in "$@"; do
       timeout 330 python3 -m sparda_jax.cli bench decode --real-model smollm2-135m \
         --out "$OUT/decode.json" 2>&1 | tail -30 ;;
     decode-profile)  # where a decode step's time goes: the claims' rows at 128K, 3 traced steps each
-                     # (bench/profile.py: busy/idle per step, per stream, top kernels; traces in $OUT/profiles)
+                     # (bench/profile.py: busy/idle per step, per stream, top kernels; traces in $OUT/profiles).
+                     # XLA runs op by op while a profiler is active unless told otherwise: the timed steps
+                     # use command buffers (CUDA graphs), so the traced ones should too
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_enable_command_buffers_during_profiling=true" \
+      timeout 330 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --profile-steps 3 --budget-s 250 \
+        --out "$OUT/decode_profile.json" 2>&1 | tail -80 ;;
+    decode-claims)  # the claims' pairs at 128K, batch 8 and 16, the paper's CTA heuristic, random traffic and
+                    # SmolLM2's miss rates (measured by the decode stage's real_miss_rate, decode.json)
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \
-        --reuse-fractions --profile-steps 3 --budget-s 200 --out "$OUT/decode_profile.json" 2>&1 | tail -60 ;;
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 220 --out "$OUT/decode_claims.json" 2>&1 | tail -30 ;;
     decode-auto)  # the claims' pairs with the autotuned CTA count (16 CTAs copy a 32 MiB layer at 29 GB/s of the
                   # 51 GB/s bulk rate: copy.json's overlap rows), SmolLM2's miss rates from decode.json
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 --ctas auto \

@@ -13,7 +13,8 @@ Prefill (batch 4, causal, every query of the sequence):
 Decode (batch >= 16, one query per sequence at the end of the context):
   mosaic_gpu  the Mosaic GPU decode kernel (kernels/sparse_decode.py, its default ring of K/V
               buffers and split count); xla the reference;
-  mosaic_gpu@s2  the same kernel as first measured: 2 buffers (one block in flight), 4 splits
+  mosaic_gpu@s<S>n<N>  the same kernel with S K/V buffers (S - 1 blocks in flight) and N KV splits
+                 (the default is s2n4; mosaic_gpu@s2 is s2n4, kept for old results)
   cudnn       dense decode through key_value_seq_lengths
   -> bytes of selected K/V read per second over the HBM bandwidth of a large copy (read + write).
 Every variant is checked against the f32 reference before it is timed; a failed check keeps its
@@ -27,6 +28,7 @@ worst case for the prefill kernel's per-tile block union, which is measured and 
 from __future__ import annotations
 
 import functools
+import re
 import math
 import sys
 
@@ -48,9 +50,19 @@ __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plo
 # The kernels under test run last in each case: a fault that kills the process then loses only
 # them, and the JSON snapshot written after every variant keeps the rest.
 PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple")
-DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@s2")
-# the decode kernel as first measured (2 K/V buffers, 4 splits), beside today's default ring
+DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@s2n8", "mosaic_gpu@s3n4", "mosaic_gpu@s4n4")
+# the decode kernel as first measured (2 K/V buffers, 4 splits), today's default again
 DECODE_S2 = dict(stages=2, n_split=4)
+
+
+def _decode_choice(name: str) -> dict | None:
+    """"mosaic_gpu@s<S>n<N>" -> dict(stages=S, n_split=N); "mosaic_gpu@s2" (old results) -> s2n4."""
+    if name == "mosaic_gpu@s2":
+        return dict(DECODE_S2)
+    m = re.fullmatch(r"mosaic_gpu@s(\d+)n(\d+)", name)
+    return None if m is None else dict(stages=int(m[1]), n_split=int(m[2]))
+
+
 SPARSE = ("mosaic_gpu", "mosaic_gpu@simple", "xla")
 # Query tokens per tile of the prefill kernel: "ws" = 2 compute warpgroups x 64 rows, "simple" = 1;
 # a tile of 64 // G tokens x G heads per warpgroup (kernels/sparse_prefill.py tile_tokens_for).
@@ -319,13 +331,13 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
         if name in SPARSE + INTERPRETED:
             looped = _looped(functools.partial(sparse_attention, block_size=bs, implementation=name), False)
             nbytes, rr = bytes_sel, r
-        elif name == "mosaic_gpu@s2":
+        elif _decode_choice(name) is not None:
             from sparda_jax.kernels.sparse_decode import sparse_decode_attention
 
-            def s2(q1, k1, v1, ids1, pos1):
+            def chosen(q1, k1, v1, ids1, pos1, kw=_decode_choice(name)):
                 return sparse_decode_attention(q1[:, 0], k1, v1, ids1[:, :, 0].astype(jnp.int32),
-                                               pos1[:, 0].astype(jnp.int32), **DECODE_S2)[:, None]
-            looped = _looped(s2, False)
+                                               pos1[:, 0].astype(jnp.int32), **kw)[:, None]
+            looped = _looped(chosen, False)
             nbytes, rr = bytes_sel, r
         elif name == "cudnn":
             looped = _looped(functools.partial(dense_attention, implementation="cudnn"), True)
@@ -347,7 +359,7 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
     res = {"T": t, "batch": b, "steps": steps, "positions": p.tolist(),
            "selected_blocks_mean": float(n_sel.mean()), "bytes_selected_per_step": bytes_sel,
            "bytes_dense_per_step": bytes_dense, "variants": out_rec}
-    best = _best(out_rec, SPARSE + ("mosaic_gpu@s2",), "gb_per_s")  # interpreted runs never count
+    best = _best(out_rec, SPARSE + tuple(v for v in out_rec if _decode_choice(v)), "gb_per_s")  # interpreted runs never count
     res["best_sparse"] = best
     if best:
         res["ratio_bytes_per_s_over_hbm"] = out_rec[best]["vs_hbm"]

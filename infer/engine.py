@@ -167,14 +167,25 @@ def _pool(plan, h, layer):
 def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: bool = False) -> dict:
     """Copy the tasks (src, dst) of layer `layer` (1-based; host index layer - 1) from the
     host pools [L-1, B, K, nb, bs, X] into the layer's cache slots [B, K, n_slots, bs, X], every
-    payload with the same task list, in one copy (one launch for K, V and cis). start: only
-    start the copy (`_wait_blocks` completes it)."""
+    payload with the same task list: in one copy (one launch for K, V and cis), or with start
+    (`_wait_blocks` completes it) as one copy per payload, each on its own side-stream lane with
+    its share of the CTA quota, running side by side (see `gather_blocks_start`)."""
     names = list(cache_l)
-    flats = tuple(cache_l[n].reshape(-1, *cache_l[n].shape[3:]) for n in names)
-    pools = tuple(_pool(plan, host[n], layer) for n in names)
-    copy = gather_blocks_start if start else gather_blocks
-    out = copy(pools, src, dst, flats, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
+    flats = [cache_l[n].reshape(-1, *cache_l[n].shape[3:]) for n in names]
+    pools = [_pool(plan, host[n], layer) for n in names]
+    if start:
+        out = [gather_blocks_start(p, src, dst, f, num_ctas=c, lane=j, implementation=plan.copy_impl)
+               for j, (p, f, c) in enumerate(zip(pools, flats, lane_ctas(plan.num_ctas, flats)))]
+    else:
+        out = gather_blocks(tuple(pools), src, dst, tuple(flats), num_ctas=plan.num_ctas, implementation=plan.copy_impl)
     return {n: o.reshape(cache_l[n].shape) for n, o in zip(names, out)}
+
+
+def lane_ctas(num_ctas: int, caches) -> list[int]:
+    """The CTA quota split over payloads copied side by side, by their bytes per block (K and
+    V half each; NOSA's 256-byte cis gets one CTA), at least one each."""
+    sizes = [int(np.prod(c.shape[1:])) * jnp.dtype(c.dtype).itemsize for c in caches]
+    return [max(1, round(num_ctas * b / sum(sizes))) for b in sizes]
 
 
 def _after_start(started: dict, x):
@@ -190,10 +201,8 @@ def _after_start(started: dict, x):
 
 def _wait_blocks(plan, f: "_Fetched", after) -> dict:
     """The caches of a started copy once it is complete; `after` orders the wait after it."""
-    names = list(f.cache)
-    out = gather_blocks_wait(tuple(f.cache[n].reshape(-1, *f.cache[n].shape[3:]) for n in names), f.src, f.dst, after,
-                             implementation=plan.copy_impl)
-    return {n: o.reshape(f.cache[n].shape) for n, o in zip(names, out)}
+    return {n: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), f.src, f.dst, after,
+                                  implementation=plan.copy_impl).reshape(c.shape) for n, c in f.cache.items()}
 
 
 def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:

@@ -2,8 +2,7 @@
 
 `gather_blocks(pool, src, dst, cache, implementation=...)`: cache[dst[t]] = pool[src[t]]. pool
 and cache are one array each, or equal tuples of payloads (a layer's K, V and cis) moved by the
-same task lists in one launch: the copies of one side stream run in order, so K and V as two
-launches made XLA's stream wait for all of K before V's CTAs could start (copy_tasks.h).
+same task lists in one launch (the synchronous modes: one launch per layer instead of three).
   "cuda"  the XLA FFI custom call of kernels/copy/gather_blocks.cu: the GPU reads the host pool
           over UVA with a bounded persistent grid of `num_ctas` CTAs (built with nvcc against
           `jax.ffi.include_dir()` on first use, cached by source hash);
@@ -270,19 +269,23 @@ def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: 
     return out[0] if one else out
 
 
-def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True,
+def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True, lane: int = 0,
                         implementation: str | None = None):
     """Start `gather_blocks`; returns the cache (or tuple of caches) being written. Nothing may
     read it before `gather_blocks_wait(cache, src, dst, after)` with the same src and dst.
     resident: XLA's stream goes on only once every copy CTA holds its SM (else a persistent GEMM
-    issued next can hold all SMs and the copy waits for it)."""
+    issued next can hold all SMs and the copy waits for it). lane (0..MAX_PAYLOADS-1): the side
+    stream; copies on one lane run in order, on different lanes side by side. The engine starts
+    each payload as its own copy on its own lane: a start of several payloads (one launch) lost
+    its buffer between start and wait inside the engine's jit on the H200."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache)
     pools, caches, one = _payloads(pool, cache, src, dst)
     _register(implementation)
     out = _copy_call("sparda_gather_start", src, dst, pools, caches, has_side_effect=True,
-                     num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident))
+                     num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident),
+                     lane=np.int32(lane))
     return out[0] if one else out
 
 

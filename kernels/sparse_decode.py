@@ -36,12 +36,13 @@ INTERPRET = plgpu.InterpretGPUParams()
 BS, GP = 64, 64          # tokens per KV block; query rows per CTA (wgmma needs M % 64 == 0)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 8 x 64 elems = 128 B
 
-# K/V buffers per CTA. With 2 (one block in flight) the H200 read 0.42-0.48 of HBM bandwidth at
-# batch 16 but 0.83-0.89 at batch 64 (bench/results/attention.json, 4 splits): with one CTA per
-# SM, 32 KB in flight per SM is below what ~1 us of memory latency at 4.8 TB/s needs (~36 KB
-# per SM), so the small batch waits on every block. 4 buffers keep 3 blocks (96 KB) in flight;
-# SMEM per CTA at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB of the 227 KB.
-DEFAULT_STAGES = 4
+# K/V buffers per CTA (stages - 1 blocks in flight). With 2 the H200 read 0.42-0.48 of HBM
+# bandwidth at batch 16 and 0.83-0.94 at batch 64 (4 splits). A ring of 4 (3 blocks in flight,
+# SMEM at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB, so one CTA per SM), tried with 9
+# splits at batch 16, read 0.23-0.34 there and 0.75-0.91 at batch 64 (bench/results/attention.json,
+# 8a7ce00): slower, so 2 stays the default; `stages` and `n_split` are arguments, and the
+# attention benchmark's mosaic_gpu@s<stages>n<splits> variants time other choices.
+DEFAULT_STAGES = 2
 
 
 def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None, stages: int = DEFAULT_STAGES,
@@ -162,15 +163,12 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
 
 
 def default_n_split(batch: int, kv_heads: int, n_blocks: int, num_sms: int | None = None) -> int:
-    """KV splits per (sequence, KV head). On the H200 (bench/results/attention.json) 4 splits
-    read 0.83-0.89 of HBM bandwidth at batch 64 (512 CTAs, ~4 per SM) but 0.42-0.48 at batch 16
-    (128 CTAs, one per SM: too few bytes in flight). So: at least 4, and enough for ~2 CTAs per
-    SM at small batch, capped at 16 (each split also writes a 64-row partial output). A
-    heuristic from those two points, not yet measured at its own choices."""
-    if num_sms is None:
-        num_sms = int(getattr(jax.devices()[0], "core_count", 0) or 132)
-    want = -(-2 * num_sms // max(1, batch * kv_heads))
-    return max(1, min(max(4, want), 16, n_blocks))
+    """KV splits per (sequence, KV head): 4, the measured choice (0.44-0.47 of HBM bandwidth at
+    batch 16, 0.93-0.94 at batch 64 on the H200 with 2 stages; 9 splits with 4 stages read
+    0.23-0.34 at batch 16, bench/results/attention.json). batch, kv_heads and num_sms are kept
+    for a heuristic that the next measurements may justify."""
+    del batch, kv_heads, num_sms
+    return max(1, min(4, n_blocks))
 
 
 def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,

@@ -15,8 +15,8 @@ for stage in "$@"; do
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_engine.log" | tail -15 ;;
     copy)        # bench: UVA gather vs bulk vs XLA loop vs host gather, CTA sweep, overlap, write-back (~100 s)
       timeout 200 python3 -m sparda_jax.cli bench copy --repeats 10 --sizes 1 8 32 --out "$OUT/copy.json" 2>&1 | tail -30 ;;
-    attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also the 2-buffer kernel,
-                 # mosaic_gpu@s2); do not set highest precision here
+    attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also other buffer and split
+                 # counts, mosaic_gpu@s<S>n<N>); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;
     attention-rho)  # prefill kernels vs cuDNN on selections as alike between neighbours as real ones
                     # (rho 0.99: SmolLM2's tile union, eval/results/tile_union_smollm2.json)

@@ -154,6 +154,28 @@ def test_cuda_start_wait_equals_reference_with_work_between():
 
 
 @pytest.mark.gpu
+def test_cuda_starts_on_two_lanes_run_side_by_side_and_equal_reference():
+    """K and V as the engine starts them: one copy each, on lanes 0 and 1, both in flight while
+    XLA computes, waited for after; each lane's CTA counter is its own."""
+    pools, src, dst, caches = _payload_case(14, n_pool=3000, n_slots=800, n=700)
+    hosts = tuple(_on_host(p) for p in pools[:2])
+    w = jax.random.normal(jax.random.key(1), (2048, 2048), jnp.bfloat16)
+
+    @jax.jit
+    def f(p, s, d, c, w):
+        started = [gather_blocks_start(p[j], s, d, c[j], num_ctas=4, lane=j, implementation="cuda") for j in (0, 1)]
+        y = w
+        for _ in range(4):
+            y = jnp.tanh(y @ w)
+        return [gather_blocks_wait(x, s, d, y, implementation="cuda") for x in started]
+
+    want = gather_blocks_reference(pools[:2], src, dst, caches[:2])
+    for _ in range(2):  # lanes, events and counters reused
+        for g, w_ in zip(f(hosts, src, dst, caches[:2], w), want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+
+
+@pytest.mark.gpu
 def test_cuda_payloads_in_one_launch_equal_reference():
     """K, V and a 256-byte cis payload: gather, start/wait and write-back, one launch each."""
     pools, src, dst, caches = _payload_case(12, n_pool=300, n_slots=64, n=48)
@@ -259,3 +281,7 @@ def test_host_ffi_twin_refuses_broken_pairings():
     assert host_copies_in_flight() == 0
     with pytest.raises(ValueError, match="CPU backend only|unknown"):
         gather_blocks(pool, src, dst, cache, implementation="host-ffi")
+    with pytest.raises(Exception, match="lane must be in 0..3"):
+        jax.block_until_ready(jax.jit(lambda c: gather_blocks_start(pool, src, dst, c, lane=4,
+                                                                    implementation="host_ffi"))(cache))
+    assert host_copies_in_flight() == 0

@@ -183,3 +183,13 @@ def test_generation_through_the_engine_matches_resident(setup):
     offload, stats = generate(params, TINY, prompts, cfg, system="sparda", forecast=forecast, return_stats=True)
     assert offload == resident
     assert stats["steps"] == 39 and 0 < stats["copied_blocks"] < stats["selected_blocks"]
+
+
+def test_lane_ctas_split_the_quota_by_bytes():
+    from sparda_jax.infer.engine import lane_ctas
+
+    k = jnp.zeros((4, 64, 128), jnp.bfloat16)  # 16 KB blocks
+    cis = jnp.zeros((4, 64, 1), jnp.float32)   # 256 B
+    assert lane_ctas(16, [k, k]) == [8, 8]
+    assert lane_ctas(16, [k, k, cis]) == [8, 8, 1]  # the small payload still gets a CTA
+    assert lane_ctas(1, [k, k]) == [1, 1]

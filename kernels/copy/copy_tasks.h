@@ -3,12 +3,10 @@
 //
 // One copy moves whole blocks by task lists src/dst of equal length, for up to kMaxPayloads
 // payloads at once (a layer's K, V and NOSA's cis): task t moves block src[t] of every payload's
-// `from` buffer to block dst[t] of its `to` buffer. One launch for all payloads, not one per
-// payload: on the side stream copies run in order, so a second launch (V after K) made XLA's
-// stream, which waits for a copy's CTAs to be resident, wait for the whole first one
-// (bench/results/decode_profile.json: copy and compute did not overlap). The payloads of one
-// copy have the same number of blocks on each side, of their own byte sizes. A task with an
-// index out of range on either side is skipped by both implementations.
+// `from` buffer to block dst[t] of its `to` buffer, in one launch (the synchronous gather and the
+// write-back; asynchronous starts take one payload each, on lanes of their own: gather_blocks.cu).
+// The payloads of one copy have the same number of blocks on each side, of their own byte
+// sizes. A task with an index out of range on either side is skipped by both implementations.
 //
 // Operands of every handler, after its fixed ones (src, dst, ...): `from` x n, then the
 // inputs aliased to the results x n; results: the `to` buffers x n.

@@ -148,10 +148,22 @@ namespace {
 // Per device: one side stream of the highest priority (its CTAs are scheduled first whenever
 // attention or FFN kernels free an SM) and the completion event of each copy in flight, keyed by
 // the cache buffer it writes: Start and Wait of one copy see the same buffer, aliased through both.
-struct SideStream {
+// A start names its lane: the engine starts K and V as separate copies on lanes 0 and 1, each its
+// own stream and counter, so that they run side by side. On one stream V's launch queued behind
+// K's, and XLA's stream, which waits until a copy's CTAs are resident, waited for all of K
+// (bench/results/decode_profile_74bb579.json: copy and compute did not overlap). One start of
+// several payloads would need one launch only, but a multi-result start lost its buffer between
+// start and wait inside the engine's jit on the H200 ("already in flight"; the CPU twin did not).
+constexpr int kLanes = kMaxPayloads;
+
+struct Lane {
   cudaStream_t stream = nullptr;
   unsigned int* started = nullptr;  // device counter of copy CTAs that have begun (wraps)
   unsigned int launched = 0;        // CTAs launched so far, host side
+};
+
+struct SideStream {
+  Lane lanes[kLanes];
   std::unordered_map<uintptr_t, cudaEvent_t> in_flight;
   std::vector<cudaEvent_t> spare;
 };
@@ -159,11 +171,11 @@ struct SideStream {
 std::mutex g_mu;
 std::unordered_map<int, SideStream> g_side;
 
-cudaError_t side_stream(SideStream** out) {
+cudaError_t side_stream(SideStream** out, int lane = 0) {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
   if (err != cudaSuccess) return err;
-  SideStream& s = g_side[dev];
+  Lane& s = g_side[dev].lanes[lane];
   if (s.stream == nullptr) {
     int least = 0, greatest = 0;
     err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
@@ -175,7 +187,7 @@ cudaError_t side_stream(SideStream** out) {
     err = cudaMemset(s.started, 0, sizeof(unsigned int));
     if (err != cudaSuccess) return err;
   }
-  *out = &s;
+  *out = &g_side[dev];
   return cudaSuccess;
 }
 
@@ -209,16 +221,20 @@ cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
 
 static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
-                                  ffi::Span<const int64_t> block_bytes, int32_t resident) {
+                                  ffi::Span<const int64_t> block_bytes, int32_t resident, int32_t lane_id) {
   CopyPayloads p;
   ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e0.failure()) return e0;
+  if (lane_id < 0 || lane_id >= kLanes) {
+    return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kLanes - 1));
+  }
   // before `ready` is recorded, so the side stream writes into the completed copies
   if ((e0 = alias_or_copy(stream, p)).failure()) return e0;
   std::lock_guard<std::mutex> lock(g_mu);
   SideStream* s = nullptr;
-  cudaError_t err = side_stream(&s);
+  cudaError_t err = side_stream(&s, lane_id);
   if (err != cudaSuccess) return cuda_error("side stream", err);
+  Lane& lane = s->lanes[lane_id];
   const auto key = reinterpret_cast<uintptr_t>(p.to[0]);  // a copy is known by its first cache
   if (s->in_flight.count(key)) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
@@ -229,20 +245,20 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   }
   // the side stream starts once XLA's stream has produced the ids and the caches
   if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
-  if ((err = cudaStreamWaitEvent(s->stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
+  if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
   const int64_t n = static_cast<int64_t>(src.element_count());
-  ffi::Error e = launch_copy(s->stream, p, src, dst, num_ctas, resident ? s->started : nullptr);
+  ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, resident ? lane.started : nullptr);
   if (e.failure()) return e;
-  if ((err = cudaEventRecord(done, s->stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   s->in_flight[key] = done;
   if (resident && n > 0) {
     WaitValueFn wait_value = nullptr;
     if ((err = wait_value_fn(&wait_value)) != cudaSuccess) return cuda_error("cuStreamWaitValue32 lookup", err);
-    s->launched += static_cast<unsigned int>(copy_grid(n, num_ctas));
+    lane.launched += static_cast<unsigned int>(copy_grid(n, num_ctas));
     // GEQ compares as (int32)(*addr - value) >= 0, so the wrapping counter stays correct
-    const CUresult r = wait_value(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(s->started),
-                                  s->launched, CU_STREAM_WAIT_VALUE_GEQ);
+    const CUresult r = wait_value(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(lane.started),
+                                  lane.launched, CU_STREAM_WAIT_VALUE_GEQ);
     if (r != CUDA_SUCCESS) return ffi::Error::Internal("cuStreamWaitValue32 failed: CUresult " + std::to_string(r));
   }
   return ffi::Error::Success();
@@ -257,7 +273,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .RemainingRets()                // caches x n, being written
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("resident"));
+                                  .Attr<int32_t>("resident")
+                                  .Attr<int32_t>("lane"));
 
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {

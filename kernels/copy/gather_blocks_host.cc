@@ -70,9 +70,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, GatherBlocksImpl,
 
 static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
                                   ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
-                                  int32_t resident) {
+                                  int32_t resident, int32_t lane) {
   (void)num_ctas;
   (void)resident;
+  if (lane < 0 || lane >= kMaxPayloads) {
+    return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kMaxPayloads - 1));
+  }
   CopyPayloads p;
   ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
@@ -95,7 +98,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
                                   .RemainingRets()                // caches x n, "being written"
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("resident"));
+                                  .Attr<int32_t>("resident")
+                                  .Attr<int32_t>("lane"));
 
 static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                  ffi::RemainingArgs args, ffi::RemainingRets rets) {

@@ -246,11 +246,16 @@ def _like(arrays, memory=False):
     return tuple(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays)
 
 
-def _copy_call(target: str, src, dst, froms, tos, *, has_side_effect=False, host_result=False, **attrs):
-    """One custom call (src, dst, *froms, *tos) -> tos, each `to` aliased to its result."""
+def _copy_call(target: str, src, dst, froms, tos, *, host_result=False, **attrs):
+    """One custom call (src, dst, *froms, *tos) -> tos, each `to` aliased to its result.
+
+    No call is marked has_side_effect, the start and wait neither: a jit with an effect misses
+    JAX's C++ dispatch path on every call, and the Python one cost 3.5 ms of host time per decode
+    step on the H200 (bench/results/decode_profile.json, SparDA 2.3x Sparse's host time). Data
+    alone orders them and keeps them alive: the wait consumes the start's caches, the engine
+    consumes the wait's (its last, task-free wait through an optimization barrier)."""
     n = len(tos)
-    call = jax.ffi.ffi_call(target, _like(tos, host_result), input_output_aliases={2 + n + j: j for j in range(n)},
-                            has_side_effect=has_side_effect)
+    call = jax.ffi.ffi_call(target, _like(tos, host_result), input_output_aliases={2 + n + j: j for j in range(n)})
     return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), *froms, *tos, **attrs))
 
 
@@ -283,7 +288,7 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
         return gather_blocks_reference(pool, src, dst, cache)
     pools, caches, one = _payloads(pool, cache, src, dst)
     _register(implementation)
-    out = _copy_call("sparda_gather_start", src, dst, pools, caches, has_side_effect=True,
+    out = _copy_call("sparda_gather_start", src, dst, pools, caches,
                      num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident),
                      lane=np.int32(lane))
     return out[0] if one else out
@@ -299,8 +304,7 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
     one = not isinstance(cache, (tuple, list))
     caches = (cache,) if one else tuple(cache)
     n = len(caches)
-    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)},
-                            has_side_effect=True)
+    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)})
     out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))
     return out[0] if one else out
 

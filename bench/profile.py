@@ -18,7 +18,10 @@ Summary (per step, seconds):
   derived_lines_s_per_step  the profiler's own lines under the device (XLA Modules, XLA Ops),
                   summed, not counted as busy
   top             the kernels with the most total time: name, seconds per step, calls per step
-  overlap_s_per_step  time two or more streams ran at once (the copy beside compute)
+  overlap_s_per_step  time two or more streams ran at once (the copy beside compute). On the H200
+                  it was 0 even between two copy lanes started together: the traced kernels ran one
+                  at a time, so a trace says where device and host time go, not whether streams
+                  overlap (the untraced step times say that)
   modules         with the profiler's "XLA Modules" line: the step's executions; gap_s_per_step
                   between them (the host's dispatch and sync), idle_inside_s_per_step (the device
                   waiting inside an execution: launch-bound or waiting on a stream) and the

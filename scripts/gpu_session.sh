@@ -22,6 +22,10 @@ for stage in "$@"; do
                     # (rho 0.99: SmolLM2's tile union, eval/results/tile_union_smollm2.json)
       timeout 200 python3 -m sparda_jax.cli bench attention --prefill-only --query-correlation 0.99 \
         --variants cudnn mosaic_gpu mosaic_gpu@simple --out "$OUT/attention_rho099.json" 2>&1 | tail -12 ;;
+    prefill-rho)  # prefill at 128K with inputs alike along positions (AR(1) embedding rows), whose selections'
+                  # tile union is near SmolLM2's real one; each sparse row reports the union it timed
+      timeout 330 python3 -m sparda_jax.cli bench prefill --lengths 131072 --budget-s 260 --input-correlation 0.99 \
+        --out "$OUT/prefill_rho.json" 2>&1 | tail -20 ;;
     select)      # bench: Forecast vs InfLLM-V2 selectors (prefill ~120 s, then decode)
       timeout 240 python3 -m sparda_jax.cli bench select --out "$OUT/select.json" 2>&1 | tail -30 ;;
     decode)      # bench: the engine's systems, decode tokens/s vs batch at 128K (Table 4); the reuse

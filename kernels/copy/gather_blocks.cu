@@ -150,8 +150,8 @@ namespace {
 // the cache buffer it writes: Start and Wait of one copy see the same buffer, aliased through both.
 // A start names its lane: the engine starts K and V as separate copies on lanes 0 and 1, each its
 // own stream and counter, so that they run side by side. On one stream V's launch queued behind
-// K's, and XLA's stream, which waits until a copy's CTAs are resident, waited for all of K
-// (bench/results/decode_profile_74bb579.json: copy and compute did not overlap). One start of
+// K's, and XLA's stream, which waits until a copy's CTAs are resident, waited for all of K (a
+// profile cannot show this: the traced kernels ran one at a time, even on two lanes). One start of
 // several payloads would need one launch only, but a multi-result start lost its buffer between
 // start and wait inside the engine's jit on the H200 ("already in flight"; the CPU twin did not).
 constexpr int kLanes = kMaxPayloads;

@@ -32,7 +32,7 @@ from sparda_jax.infer.engine import RESIDENT_MODES, OffloadState, memory_report,
 from sparda_jax.model import KVCache, init_params
 from sparda_jax.modes import DecodeState
 
-__all__ = ["bench_config", "make_params", "make_extras", "row_tokens", "build_state", "feasibility",
+__all__ = ["bench_config", "make_params", "correlated_embedding", "make_extras", "row_tokens", "build_state", "feasibility",
            "weights_bytes", "host_memory_bytes", "device_memory_limit", "block_bytes", "HOST_MARGIN",
            "DEVICE_MARGIN"]
 
@@ -57,6 +57,21 @@ def bench_config(preset: str, layers: int | None) -> tuple[ModelConfig, ModelCon
 def make_params(config: ModelConfig, seed: int = 0):
     # made on the device in bf16, without a float32 copy of the backbone
     return jax.jit(functools.partial(init_params, config, param_dtype=BF16))(jax.random.key(seed))
+
+
+def correlated_embedding(config: ModelConfig, rho: float, seed: int = 0) -> jax.Array:
+    """An embedding table [V, D] bf16 whose rows are AR(1) along the row index: row i = rho row(i-1)
+    + sqrt(1 - rho^2) fresh normal, std 0.02 as `init_params`. Tokens that count up through the
+    rows then give inputs alike between neighbouring positions, as real hidden states are, with
+    the model code unchanged (random tokens give independent ones)."""
+    if not 0.0 <= rho < 1.0:  # also rejects NaN
+        raise ValueError(f"input correlation rho must be in [0, 1), got {rho}")
+    # imported here: the attention benchmark is not needed by the other users of this module
+    from sparda_jax.bench.attention import correlated_normal
+
+    shape = (1, config.vocab_size, config.hidden_size)  # one "batch row"; the AR(1) runs over axis 1
+    return jax.jit(lambda k: (correlated_normal(k, shape, rho, jnp.float32)[0] * 0.02).astype(BF16))(
+        jax.random.key(seed + 13))
 
 
 def make_extras(config: ModelConfig, modes, seed: int = 0) -> dict:

@@ -24,7 +24,7 @@ for stage in "$@"; do
         --variants cudnn mosaic_gpu mosaic_gpu@simple --out "$OUT/attention_rho099.json" 2>&1 | tail -12 ;;
     prefill-rho)  # prefill at 128K with inputs alike along positions (AR(1) embedding rows), whose selections'
                   # tile union is near SmolLM2's real one; each sparse row reports the union it timed
-      timeout 330 python3 -m sparda_jax.cli bench prefill --lengths 131072 --budget-s 260 --input-correlation 0.99 \
+      timeout 250 python3 -m sparda_jax.cli bench prefill --lengths 131072 --budget-s 190 --input-correlation 0.999 \
         --out "$OUT/prefill_rho.json" 2>&1 | tail -20 ;;
     select)      # bench: Forecast vs InfLLM-V2 selectors (prefill ~120 s, then decode)
       timeout 240 python3 -m sparda_jax.cli bench select --out "$OUT/select.json" 2>&1 | tail -30 ;;
@@ -43,7 +43,7 @@ for stage in "$@"; do
     decode-claims)  # the claims' pairs at 128K, batch 8 and 16, the paper's CTA heuristic, random traffic and
                     # SmolLM2's miss rates (measured by the decode stage's real_miss_rate, decode.json)
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \
-        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 220 --out "$OUT/decode_claims.json" 2>&1 | tail -30 ;;
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 170 --out "$OUT/decode_claims.json" 2>&1 | tail -30 ;;
     decode-auto)  # the claims' pairs with the autotuned CTA count (16 CTAs copy a 32 MiB layer at 29 GB/s of the
                   # 51 GB/s bulk rate: copy.json's overlap rows), SmolLM2's miss rates from decode.json
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 --ctas auto \

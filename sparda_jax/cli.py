@@ -327,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--query-correlation", type=float, default=0.0,
                     help="attention: AR(1) correlation along positions of the queries that choose the prefill "
                          "blocks (0: independent; 0.99: the tile union of SmolLM2's real selections)")
+    bn.add_argument("--input-correlation", type=float, default=0.0, metavar="RHO",
+                    help="prefill: embedding rows AR(1) with this rho, tokens counting up through them, so the "
+                         "inputs are alike along positions as on real text (0: random tokens; in [0, 1))")
     bn.add_argument("--prefill-only", action="store_true", help="attention: skip the decode cases")
     bn.add_argument("--budget-s", type=float,
                     help="skip configurations started after this many seconds (select/attention 140, decode 200, "

@@ -120,8 +120,9 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     for m in ("dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda"):
         x = rows[(m, "random")]
         assert x["status"] == "ok" and x["check"]["passed"] and x["feasibility"]["fits"], (m, x.get("status"))
-        assert x["step_seconds_min"] <= x["step_seconds"] <= x["step_seconds_max"]
+        assert x["sync_step_seconds_min"] <= x["sync_step_seconds"] <= x["sync_step_seconds_max"]
         assert abs(x["tokens_per_s"] - 8 / (x["step_seconds"] * 1.5)) < 1e-6 * x["tokens_per_s"]
+        assert abs(x["sync_tokens_per_s"] - 8 / (x["sync_step_seconds"] * 1.5)) < 1e-6 * x["sync_tokens_per_s"]
         if m not in ("dense_resident", "sparse_resident"):
             assert x["check"]["counts_ok"] and x["check"]["vs_resident_row0"]["passed"]
             assert 0 < x["miss_rate"] <= 1 and x["bytes_copied_per_step_scaled"] == 2 * x["bytes_copied_per_step"]
@@ -233,3 +234,35 @@ def test_cli_knows_the_engine_benchmarks():
     assert _parse_real(["0.2"])["infinigen"] == 0.2 and _parse_real(None) is None
     for name in ("prefill", "cta"):
         assert build_parser().parse_args(["bench", name]).name == name
+
+
+def test_prefill_bench_correlated_inputs_shrink_the_measured_tile_union(tmp_path):
+    import json
+
+    from sparda_jax.bench.engine_state import bench_config, correlated_embedding
+    from sparda_jax.bench.prefill import _tokens, bench_prefill
+
+    cfg, _ = bench_config("tiny", 2)
+    e = np.asarray(correlated_embedding(cfg, 0.9, seed=0), np.float32)  # [256, 64]: rows AR(1) over the row index
+    assert e.shape == (cfg.vocab_size, cfg.hidden_size) and abs(e.std() - 0.02) < 0.004
+    assert abs(np.corrcoef(e[1:].ravel(), e[:-1].ravel())[0, 1] - 0.9) < 0.05
+    tok = np.asarray(_tokens(jax.random.key(1), 3, 300, cfg.vocab_size, 0.9))
+    assert (np.diff(tok, axis=1) % cfg.vocab_size == 1).all() and len(set(tok[:, 0])) == 3  # count up, own offsets
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        bench_prefill("tiny", lengths=(256,), input_correlation=1.0, log=lambda s: None)
+
+    unions = {}
+    for rho in (0.0, 0.99):
+        r = bench_prefill("tiny", lengths=(256,), batch=2, layers=2, repeats=1, budget_s=None, systems=("sparse", "sparda"),
+                          input_correlation=rho, out=tmp_path / f"p{rho}.json", log=lambda s: None)
+        c = json.loads((tmp_path / f"p{rho}.json").read_text())["config"]
+        assert c["input_correlation"] == rho
+        assert (c["inputs"] == "random tokens") == (rho == 0) and (rho == 0 or "AR(1)" in c["inputs"])
+        for x in r["rows"]:
+            u = x["selection_union"]
+            assert x["status"] == "ok" and u["status"] == "ok" and u["T"] == 256 and u["layer"] == 1
+            # tiny: 16 blocks of 16 tokens, topk 4; a tile's union is >= one token's and <= tile x it
+            assert 1 <= u["tile_union_over_selected"]["4"] <= u["tile_union_over_selected"]["8"] <= 8
+            unions[(rho, x["mode"])] = u["tile_union_over_selected"]["8"]
+    for m in ("sparse", "sparda"):  # neighbours alike choose alike
+        assert unions[(0.99, m)] < unions[(0.0, m)] - 0.2, unions

@@ -382,7 +382,8 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
     log(f"[attention] ceilings: {ceil['matmul_tflops']:.0f} TFLOP/s bf16, {ceil['hbm_gb_per_s']:.0f} GB/s")
     # one --variants list serves both phases; each phase keeps the names it knows
     pv = PREFILL_VARIANTS if variants is None else tuple(v for v in variants if v in PREFILL_VARIANTS + ("dense_xla",))
-    dv = DECODE_VARIANTS if variants is None else tuple(v for v in variants if v in DECODE_VARIANTS + INTERPRETED)
+    dv = DECODE_VARIANTS if variants is None else tuple(v for v in variants if v in DECODE_VARIANTS + INTERPRETED
+                                                        or _decode_choice(v) is not None)
     config = {**_shape_json(shape), "lengths": list(lengths), "batch": batch, "decode_batches": list(decode_batches),
               "repeats": repeats, "max_seconds_per_variant": max_s, "prefill_variants": list(pv),
               "decode_variants": list(dv), "timed_queries_for_slice_variants": timed_queries,

@@ -18,8 +18,9 @@ Per configuration (mode, context, batch):
                generation loop that keeps its tokens on the device runs them: the host dispatches
                step i+1 while step i runs. Then `steps` more each timed with its own
                block_until_ready (sync_*: median, min, max), which adds the host's dispatch of
-               every step (~1.7 ms on the H200's host at 4 layers: bench/results/decode_profile.json)
-               to the device time; scaled by the layer factor below, that fixed cost would count 8x
+               every step to the device time (~1.7 ms on the H200 at 4 layers, the trace in
+               bench/results/profiles/decode_sparse_T131072_B8_a3cd03f.trace.json.gz); scaled by
+               the layer factor below, that fixed cost would count 8x
   traffic      miss rate = copied / selected blocks over the timed steps; bytes copied per step
 Layers: `layers` are built and timed and the step time is scaled by full / timed layers (every
 layer >= 1 does the same work; layer 0, resident, and the embedding/LM head are counted as if

@@ -358,7 +358,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         # speed: in a scan the layers' cache slices went through 57 device-to-device copies and 10
         # copy kernels a step (slices out, the custom call's own buffers, stacked back), 1.9 of 5.7
         # busy ms of a Sparse step of 4 layers at batch 8 on the H200; unrolled, SparDA's step had
-        # 8 and 0.2 ms (bench/results/decode_profile.json)
+        # 8 and 0.2 ms (bench/results/decode_profile_74bb579.json)
         carry, steps = (x, h0, pre), []
         for i in range(c.num_layers - 1):
             carry, y = body(carry, jax.tree.map(lambda a: a[i], xs))

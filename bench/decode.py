@@ -39,6 +39,7 @@ text) when the model is installed.
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sys
 import time
@@ -51,7 +52,8 @@ from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, buil
                                            make_extras, make_params, row_tokens, weights_bytes)
 from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
-from sparda_jax.infer.engine import OFFLOAD_MODES, RESIDENT_MODES, engine_decode_step, selector_of
+from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDENT_MODES, _after_start, _gather_blocks,
+                                     _wait_blocks, decode_plan, engine_decode_step, selector_of)
 from sparda_jax.modes import decode_step
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "real_miss_rate", "table", "cta_table", "plot"]
@@ -65,6 +67,7 @@ LABELS = {"dense_resident": "Dense+", "sparse_resident": "Sparse+", "sparse": "S
 LOGIT_BOUND = 5e-2
 SPEEDUP_TARGET = 1.7        # SparDA / Sparse tokens/s at batch 8, 128K (paper 1.69 on H100)
 PREFETCH_MIN_BATCH = 16     # SparDA > SparDA-no-prefetch from this batch on
+OVERLAP_TARGET = 1.1        # a step with prefetch / max(compute alone, copy alone) (the issue's bound)
 
 
 def _log_default(s):
@@ -122,9 +125,53 @@ class _Ctx:
         return self.refs[key]
 
 
+def _build(ctx: _Ctx, mode: str, context: int, batch: int):
+    state = build_state(ctx.cfg, batch=batch, context=context, mode=mode, seed=ctx.seed,
+                        infinigen=ctx.extras["infinigen"])
+    jax.block_until_ready(state)
+    return state
+
+
+def _row_inputs(ctx: _Ctx, context: int, batch: int, n_rep: int, n: int) -> list:
+    """Every step's (tokens, positions), made before any timed region: rows < n_rep repeat step 0."""
+    rows = np.arange(batch)
+    tok0 = ctx.tokens(0, batch)
+    inputs = []
+    for i in range(n):
+        pos = np.where(rows < n_rep, context, context + i).astype(np.int32)
+        tok = jnp.where(jnp.asarray(rows < n_rep), tok0, ctx.tokens(i, batch))
+        inputs.append((tok, pos))
+    return inputs
+
+
+def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False):
+    """step(tokens, positions, state) -> (logits, state, stats) of the row's mode and copy settings."""
+    kw = kwargs_for(ctx.extras, mode)
+
+    def step(tok, pos, st):
+        return engine_decode_step(ctx.params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
+                                  num_ctas=num_ctas, skip_copies=skip_copies, **kw)
+    return step
+
+
+def _back_to_back(call, carry, lo: int, hi: int):
+    """Seconds per call of call(i, carry) -> (carry, out) for i in lo..hi-1, dispatched back to
+    back with one wait at the end, as a generation loop that keeps its tokens on the device runs
+    them: the host dispatches call i+1 while call i runs. Returns (seconds, carry, outs)."""
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(lo, hi):
+        carry, out = call(i, carry)
+        outs.append(out)
+    jax.block_until_ready((carry, outs))
+    return (time.perf_counter() - t0) / max(1, hi - lo), carry, outs
+
+
 def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int, warmup: int,
                   reuse_fraction: float = 0.0, num_ctas: int | None = None, copy_impl: str | None = None,
-                  check: bool = True, profile_steps: int = 0, profile_dir=None) -> dict:
+                  check: bool = True, profile_steps: int = 0, profile_dir=None, overlap: bool = False) -> dict:
+    """overlap: also time the row's steps without their data movement and the data movement
+    alone (`_overlap`), after the row (rec["overlap"])."""
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
@@ -137,23 +184,10 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         rec["status"] = f"infeasible at {full.num_layers} layers: {feas['reason']}"
         return rec
     t_build = time.perf_counter()
-    state = build_state(cfg, batch=batch, context=context, mode=mode, seed=ctx.seed, infinigen=ctx.extras["infinigen"])
-    jax.block_until_ready(state)
+    state = _build(ctx, mode, context, batch)
     rec["state_build_seconds"] = time.perf_counter() - t_build
-    kw = kwargs_for(ctx.extras, mode)
-
-    def step(tok, pos, st):
-        return engine_decode_step(ctx.params, tok, pos, st, cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
-                                  num_ctas=num_ctas, **kw)
-
-    # every step's inputs made before the timed region: rows < n_rep repeat step 0
-    rows = np.arange(batch)
-    tok0 = ctx.tokens(0, batch)
-    inputs = []
-    for i in range(1 + warmup + 2 * steps + profile_steps):
-        pos = np.where(rows < n_rep, context, context + i).astype(np.int32)
-        tok = jnp.where(jnp.asarray(rows < n_rep), tok0, ctx.tokens(i, batch))
-        inputs.append((tok, pos))
+    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas)
+    inputs = _row_inputs(ctx, context, batch, n_rep, 1 + warmup + 2 * steps + profile_steps)
 
     t0 = time.perf_counter()
     logits, state, stats = step(*inputs[0], state)
@@ -178,16 +212,9 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     rec["check"] = chk
     del logits, lg
 
-    for i in range(1, 1 + warmup):
-        _, state, _ = step(*inputs[i], state)
-    jax.block_until_ready(state)
-    got = []
-    t0 = time.perf_counter()
-    for i in range(1 + warmup, 1 + warmup + steps):
-        _, state, st = step(*inputs[i], state)
-        got.append(st)
-    jax.block_until_ready((state, got))
-    pipelined = (time.perf_counter() - t0) / steps
+    advance = _advancer(step, inputs)
+    state = _back_to_back(advance, state, 1, 1 + warmup)[1]
+    pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
     ts = []
     for i in range(1 + warmup + steps, 1 + warmup + 2 * steps):
         t0 = time.perf_counter()
@@ -225,7 +252,74 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         copied_blocks_per_step=copied, selected_blocks_per_step=selected,
         miss_rate=copied / selected if selected else None,
         bytes_copied_per_step=copied * bb, bytes_copied_per_step_scaled=copied * bb * per_layer_copy_scale)
+    if overlap and mode in OFFLOAD_MODES:
+        rec["overlap"] = _overlap(ctx, mode, context, batch, inputs, rec, steps=steps, warmup=warmup,
+                                  copy_impl=copy_impl, num_ctas=num_ctas)
     return rec
+
+
+def _advancer(step, inputs):
+    def advance(i, st):
+        _, st, stats = step(*inputs[i], st)
+        return st, stats
+    return advance
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache_l",))
+def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
+    """The data movement of one decode step alone: per offloaded layer, the engine's copy of
+    the tasks (srcs[l - 1], dst) into one layer's cache, started and waited as the plan's mode
+    does it (`_gather_blocks`: one copy per payload on its own lane with its CTA share, or one
+    synchronous copy of every payload). The layers chain through the cache, so they run in order."""
+    start = plan.mode == "sparda" and plan.copy_impl in FFI_IMPLEMENTATIONS  # as `_engine_decode`'s async_copy
+    for i in range(srcs.shape[0]):
+        cache_l = _gather_blocks(plan, host, i + 1, srcs[i], dst, cache_l, start=start)
+        if start:
+            cache_l = _wait_blocks(plan, cache_l, srcs[i], dst, _after_start(cache_l, srcs[i]))
+    return cache_l
+
+
+def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, *, steps: int, warmup: int,
+             copy_impl, num_ctas) -> dict:
+    """The issue's overlap measurement, in the same run as the row: the row's steps with every
+    copy disabled (`skip_copies`: same launches, bookkeeping and inputs, no data moved) and the
+    row's data movement alone (`_copy_only`: its copied blocks per step and layer, random
+    distinct sources, slots 0..n-1), both timed as the row (back to back, one wait). Times are of
+    the layers timed, unscaled, like step_seconds."""
+    cfg = ctx.cfg
+    state = _build(ctx, mode, context, batch)
+    advance = _advancer(_stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, skip_copies=True), inputs)
+    state = _back_to_back(advance, state, 0, 1 + warmup)[1]  # compile, cold cache, warm-up
+    compute, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
+    skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
+
+    plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas)
+    host = state.host
+    cache_l = {n: c[0] for n, c in state.cache.items()}
+    del state
+    l1, b, kh, nb = host["k"].shape[:4]
+    n = max(1, int(round(rec["copied_blocks_per_step"] / (cfg.num_layers - 1))))
+    per_layer = b * kh * nb
+    rng = np.random.default_rng(ctx.seed)
+    # the CUDA engine's sources index the pool of every layer in place; the reference's one layer
+    offset = [(l * per_layer if plan.copy_impl in FFI_IMPLEMENTATIONS else 0) for l in range(l1)]
+    srcs = jnp.asarray(np.stack([rng.choice(per_layer, n, replace=False) + offset[l] for l in range(l1)]), jnp.int32)
+    dst = jnp.arange(n, dtype=jnp.int32)
+
+    def copy(i, c):
+        return _copy_only(host, c, srcs, dst, plan=plan), None
+
+    cache_l = _back_to_back(copy, cache_l, 0, 1 + warmup)[1]
+    copy_s, cache_l, _ = _back_to_back(copy, cache_l, 0, steps)
+    both = rec["step_seconds"]
+    return {"compute_alone_s": compute, "copy_alone_s": copy_s, "both_s": both,
+            "ratio_to_max": both / max(compute, copy_s), "ratio_to_sum": both / (compute + copy_s),
+            "target": OVERLAP_TARGET, "copy_blocks_per_layer": n, "copy_layers": int(l1),
+            "copy_impl": plan.copy_impl, "num_ctas": plan.num_ctas,
+            "compute_alone_copied_blocks_per_step": skipped_copied,
+            "note": "layers timed, unscaled; compute_alone: skip_copies=True (same launches and bookkeeping, src -1, "
+                    "stale cache); copy_alone: the engine's gather of copy_blocks_per_layer random distinct blocks "
+                    "per offloaded layer (sparda: start + wait per payload on its lane; sparda_sync: one gather)"}
 
 
 def _order(modes, batches):
@@ -279,6 +373,12 @@ def _claims(r):
                 v = a["sparda"]["tokens_per_s"] / a["sparda_sync"]["tokens_per_s"]
                 out.append({"claim": f"decode T={t} B={b}: SparDA / SparDA-no-prefetch tokens/s", "value": v,
                             "target": 1.0, "met": bool(v > 1.0)})
+    for x in _ok(rows, mode="sparda", variant="random"):
+        if "overlap" in x:
+            v = x["overlap"]["ratio_to_max"]
+            out.append({"claim": f"decode T={x['T']} B={x['batch']}: decode step with prefetch / max(compute alone, "
+                                 "copy alone)", "value": v, "target": OVERLAP_TARGET, "met": bool(v <= OVERLAP_TARGET),
+                        "target_note": f"<= {OVERLAP_TARGET}", "overlap": x["overlap"]})
     best = {}
     for t in sorted({x["T"] for x in rows}):
         for m in r["config"]["modes"]:
@@ -295,10 +395,13 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  layers: int | None = 4, steps: int = 6, warmup: int = 2, reuse_fractions=(0.5,),
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
-                 with_ceilings: bool = True, profile_steps: int = 0, seed: int = 0, out=None, log=None) -> dict:
+                 with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, seed: int = 0, out=None,
+                 log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
-    (`bench.profile`), their traces under <out's folder>/profiles/."""
+    (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the random-traffic
+    rows of sparda and sparda_sync among the claims' pairs, also time the step without its copies
+    and the copies alone (rec["overlap"], `_overlap`), and claim sparda's step <= 1.1 x the larger."""
     log = log or _log_default
     modes = tuple(modes)
     budget = Budget(budget_s)
@@ -320,7 +423,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     ctx = _Ctx(preset, layers, modes, seed, log)
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
-                              copy_impl=copy_impl, budget_s=budget_s)
+                              copy_impl=copy_impl, budget_s=budget_s, overlap=overlap)
     if real_model:
         try:
             r["real_model"] = real_miss_rate(real_model, log=log)
@@ -341,6 +444,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             if profile_steps and not kw.get("reuse_fraction") and claim_pair(mode, b):
                 prof = dict(profile_steps=profile_steps, profile_dir=pathlib.Path(out or ".").parent / "profiles"
                             / f"decode_{mode}_T{t}_B{b}")
+            if overlap and not kw.get("reuse_fraction") and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
+                prof["overlap"] = True
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
                                 check=check, **prof, **kw)
             _floors(rec, ctx, ceil, h2d)
@@ -530,6 +635,14 @@ def _fmt_row(x, cols):
             f"{x['tokens_per_s']:.1f} | {x['step_seconds_scaled'] * 1e3:.1f} | {sync} | {mr} | {mb:.1f} | {chk} |")
 
 
+def _overlap_line(x) -> str:
+    o = x["overlap"]
+    return (f"overlap {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} (layers timed, unscaled): step "
+            f"{o['both_s'] * 1e3:.2f} ms, compute alone {o['compute_alone_s'] * 1e3:.2f} ms, copy alone "
+            f"{o['copy_alone_s'] * 1e3:.2f} ms ({o['copy_blocks_per_layer']} blocks x {o['copy_layers']} layers); "
+            f"step / max {o['ratio_to_max']:.2f} (target <= {o['target']}), step / sum {o['ratio_to_sum']:.2f}")
+
+
 def table(r: dict) -> str:
     c = r["config"]
     cols = ["system", "T", "batch", "variant"]
@@ -540,6 +653,7 @@ def table(r: dict) -> str:
     for x in rows:
         lines.append(_fmt_row({**x, "system": LABELS.get(x["mode"], x["mode"])}, cols))
     lines += claim_lines(r)
+    lines += [_overlap_line(x) for x in rows if "overlap" in x]
     for t, bm in r.get("best_feasible", {}).items():
         lines.append(f"best feasible T={t}: " + ", ".join(f"{LABELS.get(m, m)} B={v['batch']} {v['tokens_per_s']:.1f} tok/s"
                                                           for m, v in bm.items()))
@@ -622,6 +736,6 @@ def main(args) -> int:
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
-                         profile_steps=args.profile_steps, out=out)
+                         profile_steps=args.profile_steps, overlap=args.overlap, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

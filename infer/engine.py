@@ -139,13 +139,16 @@ class _EnginePlan:
     copy_impl: str  # "cuda" (kernels/copy), "host_ffi" (its CPU twin) or "xla" (the reference)
     num_ctas: int
     attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
+    # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
+    skip_copies: bool = False
 
 
 def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
     """The task lists of one layer's copy: task (b, k, i) copies block ids[b, k, i] into slot
     a.slots[b, k, i] when a.copy says so (-1: no task). The CUDA engine reads the whole pool
     in place (only the wanted blocks cross PCIe), so its sources index all layers; the
-    reference slices the layer first."""
+    reference slices the layer first. plan.skip_copies: every task a no-op (src -1), here,
+    where every copy's tasks are made, so that the step keeps its launches and bookkeeping."""
     b, kh, nb = host["k"].shape[1:4]
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
@@ -154,6 +157,8 @@ def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
         src = jnp.where(a.copy, (((layer - 1) * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
     else:
         src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
+    if plan.skip_copies:
+        src = jnp.full_like(src, -1)
     return src.astype(jnp.int32), dst.astype(jnp.int32)
 
 
@@ -199,10 +204,11 @@ def _after_start(started: dict, x):
     return jax.lax.optimization_barrier((marks, x))[1]
 
 
-def _wait_blocks(plan, f: "_Fetched", after) -> dict:
-    """The caches of a started copy once it is complete; `after` orders the wait after it."""
-    return {n: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), f.src, f.dst, after,
-                                  implementation=plan.copy_impl).reshape(c.shape) for n, c in f.cache.items()}
+def _wait_blocks(plan, cache: dict, src, dst, after) -> dict:
+    """The caches of a copy started with (src, dst) once it is complete; `after` orders the
+    wait after it."""
+    return {n: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), src, dst, after,
+                                  implementation=plan.copy_impl).reshape(c.shape) for n, c in cache.items()}
 
 
 def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
@@ -334,7 +340,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
                 # issue layer l+1's copy before this layer's attention and FFN, then wait for
                 # this layer's (started one layer earlier) as late as possible
                 q = _after_start(new_pre.cache, q)
-                own = own.replace(cache=_wait_blocks(plan, own, q))
+                own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, q))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
             own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)
@@ -367,7 +373,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     else:
         (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs)
     if async_copy:  # the last layer's prefetch had no tasks; its wait retires the start
-        x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre, x)))
+        x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre.cache, pre.src, pre.dst, x)))
     join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)
     new = state.replace(
         l0=l0, cache=ys["cache"], table=ys["table"], ckeys=jax.tree.map(join, ck0, ys["ckeys"]),
@@ -400,7 +406,8 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
-                       num_ctas: int | str | None = None, attention_impl: str | None = None):
+                       num_ctas: int | str | None = None, attention_impl: str | None = None,
+                       skip_copies: bool = False):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
@@ -410,7 +417,12 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     batch 32, else 32), "auto" the fastest (fewest on a near-tie) of 8..64 CTAs timed once on
     this GPU for a layer's worst-case copy (every slot of every sequence and KV head).
     attention_impl: the block-cache attention's (`sparda_jax.attention.paged_sparse_attention`;
-    None: the paged Mosaic kernel where it applies, else the reference)."""
+    None: the paged Mosaic kernel where it applies, else the reference).
+    skip_copies: FOR TIMING ONLY. Every host -> device copy task is disabled (src -1): the copy
+    kernels launch and the block table and slots are assigned as usual (stats count the copies
+    that would have run), but no block moves, so the cache is stale and the logits are wrong;
+    the step's time is that of everything but the data movement. The write-back of completed
+    blocks runs as usual."""
     sel = selector_of(mode)
     if mode in RESIDENT_MODES:
         logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
@@ -423,16 +435,27 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     if mode == "sparda" and config.sparse.local_blocks * config.sparse.block_size < config.sparse.kernel_size:
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
                          "(local_blocks * block_size >= kernel_size)")
+    plan = decode_plan(config, mode, state.cache, dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
+                       attention_impl=attention_impl, skip_copies=skip_copies)
+    return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
+
+
+def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,
+                copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
+                skip_copies: bool = False) -> _EnginePlan:
+    """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
+    state's block cache `cache` ({payload: [L-1, B, K, n_slots, bs, X]}); public so that a
+    benchmark can copy with exactly the engine's implementation and CTA quota."""
+    batch = int(cache["k"].shape[1])
     if copy_impl is None:
         copy_impl = "cuda" if jax.default_backend() == "gpu" else "xla"
     if num_ctas is None:
-        num_ctas = paper_num_ctas(int(tokens.shape[0]))
+        num_ctas = paper_num_ctas(batch)
     elif num_ctas == "auto":  # timed once per copy size on this GPU (cached)
-        c = state.cache["k"]
+        c = cache["k"]
         num_ctas = autotune_num_ctas(int(c.shape[1] * c.shape[2] * c.shape[3]), tuple(c.shape[4:]), str(c.dtype)) \
-            if copy_impl == "cuda" else paper_num_ctas(int(tokens.shape[0]))
-    plan = _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl)
-    return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
+            if copy_impl == "cuda" else paper_num_ctas(batch)
+    return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, skip_copies)
 
 
 def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,

@@ -350,6 +350,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--profile-steps", type=int, default=0,
                     help="decode: trace this many extra steps of the claims' rows (bench.profile): device busy/idle "
                          "time per step, per stream, top kernels; traces under <out's folder>/profiles/")
+    bn.add_argument("--overlap", action="store_true",
+                    help="decode: for the claims' random rows of sparda and sparda_sync, also time the step with "
+                         "every copy disabled (compute alone) and the copies alone; claim SparDA's step <= 1.1 x "
+                         "max of the two")
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")

@@ -266,3 +266,20 @@ def test_prefill_bench_correlated_inputs_shrink_the_measured_tile_union(tmp_path
             unions[(rho, x["mode"])] = u["tile_union_over_selected"]["8"]
     for m in ("sparse", "sparda"):  # neighbours alike choose alike
         assert unions[(0.99, m)] < unions[(0.0, m)] - 0.2, unions
+
+
+def test_decode_bench_overlap_on_cpu():
+    from sparda_jax.bench.decode import bench_decode, table
+
+    r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparse", "sparda_sync", "sparda"), layers=2, steps=2,
+                     warmup=1, reuse_fractions=(), with_ceilings=False, budget_s=None, overlap=True, log=lambda s: None)
+    rows = {x["mode"]: x for x in r["rows"]}
+    assert "overlap" not in rows["sparse"] and "overlap" not in rows["sparda_sync"]  # not a claim's row at batch 8
+    o = rows["sparda"]["overlap"]
+    for k in ("compute_alone_s", "copy_alone_s", "both_s", "ratio_to_max", "ratio_to_sum"):
+        assert o[k] > 0, k
+    assert o["both_s"] == rows["sparda"]["step_seconds"] and o["target"] == 1.1
+    assert o["copy_blocks_per_layer"] == round(rows["sparda"]["copied_blocks_per_step"]) and o["copy_layers"] == 1
+    cl = [c for c in r["claims"] if "max(compute alone, copy alone)" in c["claim"]]
+    assert len(cl) == 1 and cl[0]["value"] == o["ratio_to_max"] and cl[0]["met"] == (o["ratio_to_max"] <= 1.1)
+    assert "overlap SparDA T=256 B=8" in table(r)

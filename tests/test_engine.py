@@ -193,3 +193,33 @@ def test_lane_ctas_split_the_quota_by_bytes():
     assert lane_ctas(16, [k, k]) == [8, 8]
     assert lane_ctas(16, [k, k, cis]) == [8, 8, 1]  # the small payload still gets a CTA
     assert lane_ctas(1, [k, k]) == [1, 1]
+
+
+def test_skip_copies_moves_no_data_but_keeps_the_bookkeeping(setup):
+    """skip_copies (timing only): the same slot/table bookkeeping and copy counts, but no block
+    arrives: the cache (zero after prefill) holds only the new tokens' writes, so the logits
+    differ. Only step 0's counts and layer 1's table are comparable: from layer 2 on the stale
+    attention output changes the queries, hence the selections."""
+    params, _, _ = setup
+    b, t0, steps = 2, 70, 4
+    tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, TINY.vocab_size)
+    lengths = jnp.array([t0, t0 - 11], jnp.int32)  # positions 70..73 and 59..62: no block completes
+    prompt = jnp.where(jnp.arange(t0)[None] < lengths[:, None], tokens[:, :t0], 0)
+    runs = {}
+    for skip in (False, True):
+        _, st = engine_prefill(params, prompt, lengths, TINY, mode="sparse", cache_size=t0 + steps)
+        pos, out = lengths, []
+        for _ in range(steps):
+            logits, st, stats = engine_decode_step(params, tokens[jnp.arange(b), pos], pos, st, TINY, mode="sparse",
+                                                   skip_copies=skip)
+            out.append((np.asarray(logits), int(stats["copied_blocks"]), int(stats["selected_blocks"]),
+                        np.asarray(st.table[0])))
+            pos = pos + 1
+        runs[skip] = out, np.asarray(st.cache["k"])
+    (normal, k_n), (skipped, k_s) = runs[False], runs[True]
+    assert normal[0][1:3] == skipped[0][1:3] and normal[0][1] == normal[0][2] > 0  # cold cache: all copied
+    np.testing.assert_array_equal(normal[0][3], skipped[0][3])
+    assert not np.allclose(normal[0][0], skipped[0][0], atol=1e-3)
+    written = (TINY.num_layers - 1) * b * TINY.num_kv_heads * steps  # one key vector per step, layer, row, head
+    assert np.count_nonzero(np.any(k_s != 0, axis=-1)) == written
+    assert np.count_nonzero(np.any(k_n != 0, axis=-1)) > written

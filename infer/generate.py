@@ -104,12 +104,21 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     stop = set(int(s) for s in stop_ids)
     out: list[list[int]] = [[] for _ in prompts]
     done = np.zeros(len(prompts), bool)
-    positions = jnp.asarray(lengths)
+    positions = lengths.copy()  # on the host: the engine checks them without waiting for the device
+    counts = []  # each step's device counters, read once at the end
+    key, sub = jax.random.split(key)
+    nxt = sample_next(logits, sub, sampling.temperature, sampling.top_p)
     for step in range(sampling.max_new_tokens):
-        key, sub = jax.random.split(key)
-        nxt = sample_next(logits, sub, sampling.temperature, sampling.top_p)
-        nxt_host = np.asarray(nxt)
-        for i, t in enumerate(nxt_host):
+        ahead = None
+        if step < sampling.max_new_tokens - 1:
+            # the next step is dispatched before this token is read on the host, so the device
+            # computes it while the host reads, checks stops and streams; if every sequence has
+            # stopped, that step is discarded uncounted, so tokens and stats are as if it never ran
+            logits, state, st = step_fn(params, nxt, positions, state, config)
+            positions = positions + 1
+            key, sub = jax.random.split(key)
+            ahead = (sample_next(logits, sub, sampling.temperature, sampling.top_p), st)
+        for i, t in enumerate(np.asarray(nxt)):
             if done[i]:
                 continue
             if int(t) in stop:
@@ -118,11 +127,12 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
                 out[i].append(int(t))
         if on_step is not None:
             on_step(out)
-        if done.all() or step == sampling.max_new_tokens - 1:
+        if ahead is None or done.all():
             break
-        logits, state, st = step_fn(params, nxt, positions, state, config)
+        nxt, st = ahead
         stats["steps"] += 1
-        for k in ("copied_blocks", "selected_blocks"):
-            stats[k] += int(st.get(k, 0))
-        positions = positions + 1
+        counts.append({k: st[k] for k in ("copied_blocks", "selected_blocks") if k in st})
+    for c in counts:
+        for k, v in c.items():
+            stats[k] += int(v)
     return (out, stats) if return_stats else out

@@ -23,6 +23,7 @@ from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .attention import dense_attention, sparse_attention
@@ -376,7 +377,7 @@ def decode_step(params, tokens, positions, state: DecodeState, config: ModelConf
     is otherwise applied to the longest sequence (host-side: positions must be concrete)."""
     _validate(config, mode, forecast, infinigen)
     if dense is None:
-        dense = mode == "dense" or int(jnp.max(positions)) + 1 < config.sparse.dense_len
+        dense = mode == "dense" or int(np.max(np.asarray(positions))) + 1 < config.sparse.dense_len
     plan = _Plan(config, mode, bool(dense), jnp.dtype(dtype), dense_impl, sparse_impl, False, select_impl)
     if not plan.dense and state.ckeys is None:
         raise ValueError("this decode state has no compressed keys: prefill it with a sparse mode")

@@ -185,6 +185,23 @@ def test_generation_through_the_engine_matches_resident(setup):
     assert stats["steps"] == 39 and 0 < stats["copied_blocks"] < stats["selected_blocks"]
 
 
+def test_generation_stops_where_a_stop_token_comes_and_counts_only_the_steps_it_used(setup):
+    """The loop dispatches the next step before it reads a token: a step run past the last
+    sequence's stop token must not show, in the tokens or in the counters."""
+    from sparda_jax.infer.generate import SamplingConfig, generate
+
+    params, forecast, _ = setup
+    prompt = [list(range(3, 75))]
+    free, free_stats = generate(params, TINY, prompt, SamplingConfig(max_new_tokens=12), system="sparse",
+                                return_stats=True)
+    k = next(i for i in range(3, 12) if free[0][i] not in free[0][:i])  # first occurrence, past a few steps
+    cut, stats = generate(params, TINY, prompt, SamplingConfig(max_new_tokens=12), system="sparse",
+                          stop_ids=[free[0][k]], return_stats=True)
+    assert cut == [free[0][:k]] and free_stats["steps"] == 11
+    assert stats["steps"] == k  # the decode steps that produced tokens 1..k, not one more
+    assert 0 < stats["selected_blocks"] < free_stats["selected_blocks"]
+
+
 def test_lane_ctas_split_the_quota_by_bytes():
     from sparda_jax.infer.engine import lane_ctas
 

@@ -250,10 +250,11 @@ def _copy_call(target: str, src, dst, froms, tos, *, host_result=False, **attrs)
     """One custom call (src, dst, *froms, *tos) -> tos, each `to` aliased to its result.
 
     No call is marked has_side_effect, the start and wait neither: a jit with an effect misses
-    JAX's C++ dispatch path on every call, and the Python one cost 3.5 ms of host time per decode
-    step on the H200 (bench/results/decode_profile.json, SparDA 2.3x Sparse's host time). Data
-    alone orders them and keeps them alive: the wait consumes the start's caches, the engine
-    consumes the wait's (its last, task-free wait through an optimization barrier)."""
+    JAX's C++ dispatch path on every call, and the Python one cost ~3.5 ms of host time before a
+    decode step's first launch on the H200 (bench/results/decode_profile.json: a SparDA step at
+    batch 8 took 4.9 ms of host time, Sparse's 2.9). Data alone orders them and keeps them alive:
+    the wait consumes the start's caches, the engine consumes the wait's (its last, task-free
+    wait through an optimization barrier)."""
     n = len(tos)
     call = jax.ffi.ffi_call(target, _like(tos, host_result), input_output_aliases={2 + n + j: j for j in range(n)})
     return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), *froms, *tos, **attrs))

@@ -121,9 +121,12 @@ static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::B
   return ffi::Error::Success();
 }
 
-static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
-                                   ffi::Span<const int64_t> block_bytes) {
+// The synchronous gather and the write-back: the same copy with the sides swapped (their
+// operands say which). An unaliased write-back (not seen so far) is correct but slow: the whole
+// pool crosses PCIe twice.
+static ffi::Error CopyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                           ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
+                           ffi::Span<const int64_t> block_bytes) {
   CopyPayloads p;
   ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
@@ -131,7 +134,7 @@ static ffi::Error GatherBlocksImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sr
   return launch_copy(stream, p, src, dst, num_ctas);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, GatherBlocksImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
@@ -318,18 +321,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
 
 // ---------------------------------------------------------------- write-back into the host pool
 
-static ffi::Error ScatterBlocksImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
-                                    ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
-                                    ffi::Span<const int64_t> block_bytes) {
-  CopyPayloads p;
-  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
-  if (e.failure()) return e;
-  // unaliased (not seen so far): correct but slow, the whole pool crosses PCIe twice
-  if ((e = alias_or_copy(stream, p)).failure()) return e;
-  return launch_copy(stream, p, src, dst, num_ctas);
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, ScatterBlocksImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task

@@ -48,8 +48,9 @@ std::unordered_set<uintptr_t> g_in_flight;  // the first buffer of each started 
 
 }  // namespace
 
-static ffi::Error GatherBlocksImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
-                                   ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes) {
+// The gather and the write-back: the same copy with the sides swapped (their operands say which)
+static ffi::Error CopyImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes) {
   (void)num_ctas;
   CopyPayloads p;
   ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
@@ -59,7 +60,7 @@ static ffi::Error GatherBlocksImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, GatherBlocksImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, CopyImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst
@@ -134,18 +135,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWaitHost, GatherWaitImpl,
                                   .RemainingArgs()                // caches being written x n (aliased)
                                   .RemainingRets());              // caches, complete
 
-static ffi::Error ScatterBlocksImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
-                                    ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes) {
-  (void)num_ctas;
-  CopyPayloads p;
-  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
-  if (e.failure()) return e;
-  alias_or_copy(p);
-  copy_rows(p, src, dst);
-  return ffi::Error::Success();
-}
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, ScatterBlocksImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task
                                   .Arg<ffi::Buffer<ffi::S32>>()   // dst: pool block per task

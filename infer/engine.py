@@ -42,7 +42,7 @@ from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
 
 from sparda_jax.kernels.copy_engine import (FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks, gather_blocks_start,
-                                            gather_blocks_wait, paper_num_ctas, scatter_blocks)
+                                            gather_blocks_wait, lane_ctas, paper_num_ctas, scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -184,13 +184,6 @@ def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: b
     else:
         out = gather_blocks(tuple(pools), src, dst, tuple(flats), num_ctas=plan.num_ctas, implementation=plan.copy_impl)
     return {n: o.reshape(cache_l[n].shape) for n, o in zip(names, out)}
-
-
-def lane_ctas(num_ctas: int, caches) -> list[int]:
-    """The CTA quota split over payloads copied side by side, by their bytes per block (K and
-    V half each; NOSA's 256-byte cis gets one CTA), at least one each."""
-    sizes = [int(np.prod(c.shape[1:])) * jnp.dtype(c.dtype).itemsize for c in caches]
-    return [max(1, round(num_ctas * b / sum(sizes))) for b in sizes]
 
 
 def _after_start(started: dict, x):

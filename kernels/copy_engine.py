@@ -42,7 +42,7 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas", "MAX_PAYLOADS"]
+           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -185,13 +185,18 @@ def _check(pool, src, dst, cache):
         raise ValueError(f"src and dst must be equal 1-D index arrays, got {src.shape}, {dst.shape}")
 
 
+def _as_tuple(x) -> tuple[tuple, bool]:
+    """(payloads, one): a single array as a 1-tuple, with `one` set so the result can be one too."""
+    return ((x,), True) if not isinstance(x, (tuple, list)) else (tuple(x), False)
+
+
 def _payloads(pool, cache, src, dst):
     """(pools, caches, one): the payloads as equal tuples, checked; `one` when the caller passed
     single arrays (the result is then a single array too)."""
-    one = not isinstance(pool, (tuple, list))
-    if one != (not isinstance(cache, (tuple, list))):
+    pools, one = _as_tuple(pool)
+    caches, one_cache = _as_tuple(cache)
+    if one != one_cache:
         raise TypeError("pool and cache must both be arrays or both be tuples of payloads")
-    pools, caches = ((pool,), (cache,)) if one else (tuple(pool), tuple(cache))
     if len(pools) != len(caches) or not 1 <= len(pools) <= MAX_PAYLOADS:
         raise ValueError(f"a copy takes 1..{MAX_PAYLOADS} payloads, as many pools as caches; got {len(pools)} pools "
                          f"and {len(caches)} caches")
@@ -238,6 +243,14 @@ def _resolve(implementation):
 
 def _block_bytes(arrays) -> np.ndarray:
     return np.array([int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize for a in arrays], np.int64)
+
+
+def lane_ctas(num_ctas: int, caches) -> list[int]:
+    """The CTA quota split over payloads copied side by side (one `gather_blocks_start` each, on
+    lanes of their own), by their bytes per block: K and V half each, NOSA's 256-byte cis one
+    CTA; at least one each."""
+    sizes = _block_bytes(caches)
+    return [max(1, round(num_ctas * int(b) / int(sizes.sum()))) for b in sizes]
 
 
 def _like(arrays, memory=False):
@@ -302,8 +315,7 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
     if implementation == "xla":
         return cache
     _register(implementation)
-    one = not isinstance(cache, (tuple, list))
-    caches = (cache,) if one else tuple(cache)
+    caches, one = _as_tuple(cache)
     n = len(caches)
     call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)})
     out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))

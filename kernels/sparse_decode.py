@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
-           "paged_sparse_decode_attention_reference", "default_n_split", "DEFAULT_STAGES", "INTERPRET"]
+           "paged_sparse_decode_attention_reference", "default_n_split", "DEFAULT_SPLITS", "DEFAULT_STAGES", "INTERPRET"]
 
 # Interpret mode (CPU): wgmma's A operand must come from SMEM and the accumulator cannot be
 # updated in place there, so the kernel has switches for those two (both lower for the GPU).
@@ -36,11 +36,11 @@ INTERPRET = plgpu.InterpretGPUParams()
 BS, GP = 64, 64          # tokens per KV block; query rows per CTA (wgmma needs M % 64 == 0)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 8 x 64 elems = 128 B
 
-# K/V buffers per CTA (stages - 1 blocks in flight). With 2 the H200 read 0.42-0.48 of HBM
-# bandwidth at batch 16 and 0.83-0.94 at batch 64 (4 splits). A ring of 4 (3 blocks in flight,
-# SMEM at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB, so one CTA per SM), tried with 9
-# splits at batch 16, read 0.23-0.34 there and 0.75-0.91 at batch 64 (bench/results/attention.json,
-# 8a7ce00): slower, so 2 stays the default; `stages` and `n_split` are arguments, and the
+# K/V buffers per CTA (stages - 1 blocks in flight). With 2 and 4 splits the H200 read 0.44-0.48
+# of HBM bandwidth at batch 16 and 0.89-0.97 at batch 64 (bench/results/attention.json). A ring
+# of 4 (3 blocks in flight; SMEM at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB, so one
+# CTA per SM) read 0.23-0.34 at batch 16 with 9 splits (attention_a3cd03f.json) and 0.42 with 4
+# (attention.json): slower, so 2 stays the default; `stages` and `n_split` are arguments, and the
 # attention benchmark's mosaic_gpu@s<stages>n<splits> variants time other choices.
 DEFAULT_STAGES = 2
 
@@ -162,13 +162,14 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
     )(q_pad, k, v, ids, slots, n_valid, pos)
 
 
-def default_n_split(batch: int, kv_heads: int, n_blocks: int, num_sms: int | None = None) -> int:
-    """KV splits per (sequence, KV head): 4, the measured choice (0.44-0.47 of HBM bandwidth at
-    batch 16, 0.93-0.94 at batch 64 on the H200 with 2 stages; 9 splits with 4 stages read
-    0.23-0.34 at batch 16, bench/results/attention.json). batch, kv_heads and num_sms are kept
-    for a heuristic that the next measurements may justify."""
-    del batch, kv_heads, num_sms
-    return max(1, min(4, n_blocks))
+DEFAULT_SPLITS = 4
+
+
+def default_n_split(n_blocks: int) -> int:
+    """KV splits per (sequence, KV head): DEFAULT_SPLITS, the measured choice (2 stages: 0.44-0.48
+    of HBM bandwidth at batch 16, 0.89-0.97 at batch 64 on the H200; 8 splits read 0.41-0.42 at
+    batch 16, bench/results/attention.json), never more than there are blocks."""
+    return max(1, min(DEFAULT_SPLITS, n_blocks))
 
 
 def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
@@ -200,7 +201,7 @@ def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split
 
 def _decode(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     if n_split is None:
-        n_split = default_n_split(q.shape[0], K, ids.shape[-1])
+        n_split = default_n_split(ids.shape[-1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
     kw["interpret"] = interpret
     B, H, D = q.shape

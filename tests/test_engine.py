@@ -203,7 +203,7 @@ def test_generation_stops_where_a_stop_token_comes_and_counts_only_the_steps_it_
 
 
 def test_lane_ctas_split_the_quota_by_bytes():
-    from sparda_jax.infer.engine import lane_ctas
+    from sparda_jax.kernels.copy_engine import lane_ctas
 
     k = jnp.zeros((4, 64, 128), jnp.bfloat16)  # 16 KB blocks
     cis = jnp.zeros((4, 64, 1), jnp.float32)   # 256 B

@@ -119,9 +119,8 @@ def test_dispatch_through_sparse_attention():
 def test_default_split_count():
     from sparda_jax.kernels.sparse_decode import default_n_split
 
-    assert default_n_split(64, 2, 96, num_sms=132) == 4     # the measured choice at batch 64 and 16
-    assert default_n_split(16, 2, 96, num_sms=132) == 4
-    assert default_n_split(1, 2, 3, num_sms=132) == 3       # never more splits than blocks
+    assert default_n_split(96) == 4     # the measured choice at batch 64 and 16
+    assert default_n_split(3) == 3      # never more splits than blocks
 
 
 def _paged(seed, g, d, n_slots=10):

@@ -373,11 +373,11 @@ def _claims(r):
                 v = a["sparda"]["tokens_per_s"] / a["sparda_sync"]["tokens_per_s"]
                 out.append({"claim": f"decode T={t} B={b}: SparDA / SparDA-no-prefetch tokens/s", "value": v,
                             "target": 1.0, "met": bool(v > 1.0)})
-    for x in _ok(rows, mode="sparda", variant="random"):
+    for x in _ok(rows, mode="sparda"):
         if "overlap" in x:
             v = x["overlap"]["ratio_to_max"]
-            out.append({"claim": f"decode T={x['T']} B={x['batch']}: decode step with prefetch / max(compute alone, "
-                                 "copy alone)", "value": v, "target": OVERLAP_TARGET, "met": bool(v <= OVERLAP_TARGET),
+            out.append({"claim": f"decode T={x['T']} B={x['batch']} {x['variant']}: decode step with prefetch / "
+                                 "max(compute alone, copy alone)", "value": v, "target": OVERLAP_TARGET, "met": bool(v <= OVERLAP_TARGET),
                         "target_note": f"<= {OVERLAP_TARGET}", "overlap": x["overlap"]})
     best = {}
     for t in sorted({x["T"] for x in rows}):
@@ -399,9 +399,9 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
-    (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the random-traffic
-    rows of sparda and sparda_sync among the claims' pairs, also time the step without its copies
-    and the copies alone (rec["overlap"], `_overlap`), and claim sparda's step <= 1.1 x the larger."""
+    (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the rows (random
+    traffic and reuse variants) of sparda and sparda_sync among the claims' pairs, also time the
+    step without its copies and the copies alone (rec["overlap"], `_overlap`), and claim sparda's step <= 1.1 x the larger."""
     log = log or _log_default
     modes = tuple(modes)
     budget = Budget(budget_s)
@@ -444,7 +444,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             if profile_steps and not kw.get("reuse_fraction") and claim_pair(mode, b):
                 prof = dict(profile_steps=profile_steps, profile_dir=pathlib.Path(out or ".").parent / "profiles"
                             / f"decode_{mode}_T{t}_B{b}")
-            if overlap and not kw.get("reuse_fraction") and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
+            if overlap and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
                 prof["overlap"] = True
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
                                 check=check, **prof, **kw)

@@ -184,6 +184,145 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
     return {"rows": rows}
 
 
+def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), threads=(256, 1024),
+                   compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
+                   implementation: str = "cuda", log=None) -> dict:
+    """The engine's prefetch pattern without the engine: does it hide the copy, and what does
+    the copy cost the compute beside it? `layers` + 1 layers (layer 0 resident, no copy); layer
+    l first starts layer l+1's copy (K and V, one `gather_blocks_start` each on lanes 0 and 1,
+    the CTA quota split as the engine splits it), then waits for its own, then runs a decode
+    layer's weight-read-bound work (skinny [16, 4096] x [4096, 14336] x [14336, 4096] matmuls,
+    repeated to ~compute_ms) that reads its cache (as attention does). `blocks`: K/V block pairs per layer (240: SmolLM2's miss rate at
+    batch 16 and 128K, 1920: random traffic; bench/results/decode_overlap.json). Timed per
+    (blocks, CTAs, threads per CTA, resident): compute alone, copies alone (start + wait per
+    layer), serial (a synchronous gather then the work, per layer) and pipelined. Every copy is
+    checked against NumPy. implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test."""
+    from sparda_jax.infer.engine import _after_start, _host_sharding
+    from sparda_jax.kernels.copy_engine import lane_ctas
+
+    log = log or (lambda m: print(m, flush=True))
+    host = _host_sharding()
+    n_pool = pool_mib * 2**20 // (int(np.prod(BLOCK)) * 2)
+    rng = np.random.default_rng(seed)
+    pools = tuple(jax.device_put(rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16), host)
+                  for _ in range(2))
+    ks = jax.random.split(jax.random.key(seed), 3)
+    w1 = jax.random.normal(ks[0], dims, jnp.bfloat16) * 0.01
+    w2 = jax.random.normal(ks[1], dims[::-1], jnp.bfloat16) * 0.01
+    x0 = jax.random.normal(ks[2], (16, dims[0]), jnp.bfloat16)
+
+    def work(x, w, reps):
+        for _ in range(reps):
+            x = jnp.tanh(jnp.tanh(x @ w[0]) @ w[1])
+        return x
+
+    def touch(x, kv):  # the layer's compute reads its cache, as attention does
+        return x + 1e-3 * (kv[0][0, 0, 0] + kv[1][0, 0, 0])
+
+    one = jax.jit(lambda x, w: work(x, w, 1))
+    t1 = _time(lambda: one(x0, (w1, w2)), repeats)[0]
+    reps = max(1, int(round(compute_ms * 1e-3 / t1)))
+    rows = []
+    for n in blocks:
+        srcs = jnp.asarray(np.stack([rng.choice(n_pool, n, replace=False) for _ in range(layers)]).astype(np.int32))
+        dst = jnp.arange(n, dtype=jnp.int32)
+        expected = [[np.asarray(p)[np.asarray(srcs[l])].astype(np.float32) for p in pools] for l in range(layers)]
+
+        def fresh():
+            return tuple((jnp.zeros((n, *BLOCK), jnp.bfloat16), jnp.zeros((n, *BLOCK), jnp.bfloat16))
+                         for _ in range(layers))
+
+        def make(kind, c, th, resident):
+            split = lane_ctas(c, [jnp.zeros((1, *BLOCK), jnp.bfloat16)] * 2)
+
+            def fn(caches, x, pools, srcs, dst, w):
+                def start(l, kv):
+                    return tuple(gather_blocks_start(pools[j], srcs[l], dst, kv[j], num_ctas=split[j], lane=j,
+                                                     threads=th, resident=resident, implementation=implementation)
+                                 for j in range(2))
+
+                def wait(l, kv, after):
+                    return tuple(gather_blocks_wait(kv[j], srcs[l], dst, after, implementation=implementation)
+                                 for j in range(2))
+
+                # work layer 0 is resident (no copy), as the engine's layer 0; copy l feeds work layer l + 1
+                caches = list(caches)
+                if kind == "compute":
+                    x = work(x, w, reps)
+                    for l in range(layers):
+                        x = work(touch(x, caches[l]), w, reps)
+                elif kind == "copy":
+                    for l in range(layers):
+                        kv = start(l, caches[l])
+                        caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x))
+                elif kind == "serial":
+                    x = work(x, w, reps)
+                    for l in range(layers):
+                        caches[l] = gather_blocks(pools, srcs[l], dst, caches[l], num_ctas=c, threads=th,
+                                                  implementation=implementation)
+                        x = work(touch(x, caches[l]), w, reps)
+                else:  # pipelined: copy l runs beside work layer l (the engine's layer l+1 copy during layer l)
+                    caches[0] = start(0, caches[0])
+                    x = work(_after_start(dict(enumerate(caches[0])), x), w, reps)
+                    for l in range(layers):
+                        if l + 1 < layers:
+                            caches[l + 1] = start(l + 1, caches[l + 1])
+                            x = _after_start(dict(enumerate(caches[l + 1])), x)
+                        caches[l] = wait(l, caches[l], x)
+                        x = work(touch(x, caches[l]), w, reps)
+                return tuple(caches), x
+            return jax.jit(fn, donate_argnums=0)
+
+        def timed(fn, check=True):
+            state = {"c": fresh()}
+
+            def call():
+                state["c"], x = fn(state["c"], x0, pools, srcs, dst, (w1, w2))
+                return x
+            t = _time(call, repeats)[0]
+            for l in range(layers if check else 0):
+                for j in range(2):
+                    if not np.array_equal(np.asarray(state["c"][l][j]).astype(np.float32), expected[l][j]):
+                        raise AssertionError(f"layer {l} payload {j}: wrong data")
+            return t
+
+        compute = timed(make("compute", 1, 256, True), check=False)
+        configs = [(c, 256, r) for c in ctas for r in (True, False)] + [(c, th, True) for c in ctas for th in threads
+                                                                         if th != 256]
+        for c, th, resident in configs:
+            row = {"blocks_per_layer": n, "mib_per_layer": n * 2 * int(np.prod(BLOCK)) * 2 / 2**20, "layers": layers,
+                   "ctas": c, "threads": th, "resident": resident, "compute_s": compute, "work_reps": reps}
+            try:
+                for kind in ("copy", "serial", "pipelined"):
+                    row[f"{kind}_s"] = timed(make(kind, c, th, resident))
+                row["copy_gb_per_s"] = layers * n * 2 * int(np.prod(BLOCK)) * 2 / row["copy_s"] / 1e9
+                row["pipelined_vs_max"] = row["pipelined_s"] / max(compute, row["copy_s"])
+                row["pipelined_vs_serial"] = row["pipelined_s"] / row["serial_s"]
+            except Exception as e:  # noqa: BLE001 - record, go on
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            log(f"[pipeline] {n} blocks, {c} CTAs x {th} threads, resident {resident}: " +
+                (f"compute {compute * 1e3:.2f} copy {row['copy_s'] * 1e3:.2f} serial {row['serial_s'] * 1e3:.2f} "
+                 f"pipelined {row['pipelined_s'] * 1e3:.2f} ms, / max {row['pipelined_vs_max']:.2f}"
+                 if "error" not in row else row["error"]))
+    return {"rows": rows, "note": "times of all layers, one call (layers + 1 work layers, layers copies); compute: "
+                                  "the work alone (the same cache reads)"}
+
+
+def pipeline_table(result: dict) -> str:
+    lines = ["| blocks/layer | CTAs | threads | resident | compute ms | copy ms (GB/s) | serial ms | pipelined ms | "
+             "pipelined / max | pipelined / serial |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        head = f"| {r['blocks_per_layer']} | {r['ctas']} | {r['threads']} | {r['resident']} |"
+        if "error" in r:
+            lines.append(f"{head} error: {r['error'][:80]} |")
+            continue
+        lines.append(f"{head} {r['compute_s'] * 1e3:.2f} | {r['copy_s'] * 1e3:.2f} ({r['copy_gb_per_s']:.0f}) | "
+                     f"{r['serial_s'] * 1e3:.2f} | {r['pipelined_s'] * 1e3:.2f} | {r['pipelined_vs_max']:.2f} | "
+                     f"{r['pipelined_vs_serial']:.2f} |")
+    return "\n".join(lines)
+
+
 @functools.partial(jax.jit, static_argnums=2)
 def _chain_jit(w, x, steps):
     for _ in range(steps):
@@ -257,6 +396,13 @@ def overlap_table(result: dict) -> str:
 
 
 def main(args) -> int:
+    if args.pipeline_only:
+        r = {"name": "copy_pipeline", "environment": environment(), "pipeline": bench_pipeline(repeats=args.repeats)}
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(r, indent=2))
+        print(pipeline_table(r["pipeline"]))
+        return 0
     r = bench_copy(pool_mib=args.pool_mib, sizes_mib=tuple(args.sizes), repeats=args.repeats)
     r["overlap"] = bench_overlap(repeats=args.repeats)
     r["scatter"] = bench_scatter(repeats=min(args.repeats, 10))

@@ -215,10 +215,11 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     advance = _advancer(step, inputs)
     state = _back_to_back(advance, state, 1, 1 + warmup)[1]
     pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
-    ts = []
+    ts, host = [], []
     for i in range(1 + warmup + steps, 1 + warmup + 2 * steps):
         t0 = time.perf_counter()
         out = step(*inputs[i], state)
+        host.append(time.perf_counter() - t0)  # the call returns once every launch is enqueued
         jax.block_until_ready(out[:2])
         ts.append(time.perf_counter() - t0)
         _, state, st = out
@@ -249,6 +250,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         step_seconds_scaled=pipelined * scale, tokens_per_s=batch / (pipelined * scale),
         sync_step_seconds=med, sync_step_seconds_min=float(min(ts)), sync_step_seconds_max=float(max(ts)),
         sync_tokens_per_s=batch / (med * scale),
+        # host time to dispatch one step (median): a step dispatched back to back takes at least this
+        host_dispatch_seconds=float(np.median(host)),
         copied_blocks_per_step=copied, selected_blocks_per_step=selected,
         miss_rate=copied / selected if selected else None,
         bytes_copied_per_step=copied * bb, bytes_copied_per_step_scaled=copied * bb * per_layer_copy_scale)
@@ -631,8 +634,10 @@ def _fmt_row(x, cols):
     mb = x.get("bytes_copied_per_step_scaled", 0) / 1e6
     chk = "ok" if x["check"]["passed"] else "FAIL"
     sync = (f"{x['sync_tokens_per_s']:.1f}" if "sync_tokens_per_s" in x else "-")  # older JSONs: per-step sync only
+    host = (f"{x['step_seconds'] * 1e3:.2f} / {x['host_dispatch_seconds'] * 1e3:.2f}"
+            if "host_dispatch_seconds" in x else "-")
     return (f"| {x.get('system', x['mode'])} | {x['T']} | {x['batch']} | {x.get('variant', '')} | "
-            f"{x['tokens_per_s']:.1f} | {x['step_seconds_scaled'] * 1e3:.1f} | {sync} | {mr} | {mb:.1f} | {chk} |")
+            f"{x['tokens_per_s']:.1f} | {x['step_seconds_scaled'] * 1e3:.1f} | {host} | {sync} | {mr} | {mb:.1f} | {chk} |")
 
 
 def _overlap_line(x) -> str:
@@ -646,8 +651,8 @@ def _overlap_line(x) -> str:
 def table(r: dict) -> str:
     c = r["config"]
     cols = ["system", "T", "batch", "variant"]
-    lines = ["| system | T | B | traffic | tok/s | ms/step | tok/s, each step waited for | miss rate | MB copied/step | check |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | T | B | traffic | tok/s | ms/step | timed layers: ms/step / host ms | tok/s, each step waited "
+             "for | miss rate | MB copied/step | check |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = sorted(r["rows"], key=lambda x: (x["T"], MODES.index(x["mode"]) if x["mode"] in MODES else 9,
                                             x["batch"], str(x.get("variant"))))
     for x in rows:

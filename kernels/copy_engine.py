@@ -42,7 +42,7 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS"]
+           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "COPY_THREADS"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -50,6 +50,11 @@ HOST_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 # XLA custom-call target -> symbol in the library
 TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": "SpardaGatherStart",
            "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks"}
+# Threads per copy CTA, each with 4 16-byte loads in flight (gather_blocks.cu's kUnroll): 256
+# threads keep 16 KB of reads in flight per CTA, so 16 CTAs reach the bulk PCIe rate
+# (bench/results/decode_overlap.json: 49 of 52 GB/s); more threads per CTA carry the same bytes
+# in fewer CTAs (fewer SMs taken from the layer's kernels)
+COPY_THREADS = 256
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90",
               "-gencode", "arch=compute_80,code=sm_80")
 
@@ -273,7 +278,8 @@ def _copy_call(target: str, src, dst, froms, tos, *, host_result=False, **attrs)
     return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), *froms, *tos, **attrs))
 
 
-def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: str | None = None):
+def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = COPY_THREADS,
+                  implementation: str | None = None):
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
     (device) -> the updated cache; or tuples of pools and caches (payloads, one launch) -> the
     tuple of caches. Blocks are whole trailing dims; their byte size must be a multiple of 16
@@ -284,12 +290,12 @@ def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, implementation: 
     pools, caches, one = _payloads(pool, cache, src, dst)
     _register(implementation)
     out = _copy_call("sparda_gather_blocks", src, dst, pools, caches, num_ctas=np.int32(num_ctas),
-                     block_bytes=_block_bytes(caches))
+                     block_bytes=_block_bytes(caches), threads=np.int32(threads))
     return out[0] if one else out
 
 
 def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True, lane: int = 0,
-                        implementation: str | None = None):
+                        threads: int = COPY_THREADS, implementation: str | None = None):
     """Start `gather_blocks`; returns the cache (or tuple of caches) being written. Nothing may
     read it before `gather_blocks_wait(cache, src, dst, after)` with the same src and dst.
     resident: XLA's stream goes on only once every copy CTA holds its SM (else a persistent GEMM
@@ -304,7 +310,7 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
     _register(implementation)
     out = _copy_call("sparda_gather_start", src, dst, pools, caches,
                      num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident),
-                     lane=np.int32(lane))
+                     lane=np.int32(lane), threads=np.int32(threads))
     return out[0] if one else out
 
 
@@ -339,7 +345,8 @@ def scatter_blocks_reference(cache, src, dst, pool):
     return out[0] if one else out
 
 
-def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, implementation: str | None = None):
+def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = COPY_THREADS,
+                   implementation: str | None = None):
     """cache [n_slots, *block] (device), src/dst int32 [n], pool [n_pool, *block] (pinned host
     for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]; or tuples (payloads, one launch)
     -> the tuple of pools. "cuda" writes only those blocks, over UVA, into the pool's own memory
@@ -350,5 +357,5 @@ def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, implementation:
     pools, caches, one = _payloads(pool, cache, dst, src)
     _register(implementation)
     out = _copy_call("sparda_scatter_blocks", src, dst, caches, pools, host_result=True, num_ctas=np.int32(num_ctas),
-                     block_bytes=_block_bytes(caches))
+                     block_bytes=_block_bytes(caches), threads=np.int32(threads))
     return out[0] if one else out

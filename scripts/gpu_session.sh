@@ -15,6 +15,13 @@ for stage in "$@"; do
       grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_engine.log" | tail -15 ;;
     copy)        # bench: UVA gather vs bulk vs XLA loop vs host gather, CTA sweep, overlap, write-back (~100 s)
       timeout 200 python3 -m sparda_jax.cli bench copy --repeats 10 --sizes 1 8 32 --out "$OUT/copy.json" 2>&1 | tail -30 ;;
+    pipeline)    # bench: the prefetch pattern without the engine (bench/copy.py bench_pipeline): K/V copies of
+                 # the next layer started beside skinny matmuls, per CTA count, threads per CTA, resident (~60 s)
+      timeout 200 python3 -m sparda_jax.cli bench copy --pipeline-only --repeats 10 --out "$OUT/copy_pipeline.json" 2>&1 | tail -40 ;;
+    decode-host) # the two SparDA systems at batch 16, random traffic and SmolLM2's miss rate, with each step's
+                 # host dispatch time (host_dispatch_seconds): is a step bound by the host? (~120 s)
+      timeout 240 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 16 --modes sparda sparda_sync \
+        --reuse-fractions --real-miss-rate sparda=0.086 --budget-s 150 --out "$OUT/decode_host.json" 2>&1 | tail -12 ;;
     attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also other buffer and split
                  # counts, mosaic_gpu@s<S>n<N>); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;

@@ -29,6 +29,24 @@ def test_copy_bench_smoke_on_cpu():
     assert "| 1 | bulk |" in table(r)
 
 
+def test_copy_pipeline_bench_on_cpu():
+    """The prefetch-pattern sweep through the CUDA calls' CPU twin: every variant's copies are
+    checked against NumPy inside (a wrong copy records an error), so rows without an error moved
+    the right blocks; the table says what was timed."""
+    pytest.importorskip("sparda_jax.kernels.copy_engine").build_host_library()
+    from sparda_jax.bench.copy import bench_pipeline, pipeline_table
+
+    r = bench_pipeline(layers=2, blocks=(8,), ctas=(2,), threads=(256, 64), compute_ms=0.0, pool_mib=1, dims=(64, 128),
+                       repeats=1, implementation="host_ffi", log=lambda m: None)
+    rows = r["rows"]
+    assert [(x["ctas"], x["threads"], x["resident"]) for x in rows] == [(2, 256, True), (2, 256, False), (2, 64, True)]
+    for x in rows:
+        assert "error" not in x, x
+        assert x["mib_per_layer"] == 8 * 2 * 16 / 1024 and x["work_reps"] == 1
+        assert x["pipelined_vs_max"] == x["pipelined_s"] / max(x["compute_s"], x["copy_s"]) > 0
+    assert "| 8 | 2 | 64 | True |" in pipeline_table(r)
+
+
 def _tiny_kw(tmp_path, name):
     # tiny preset (4 heads / 2 KV heads, d 16, 16-token blocks): the XLA paths end to end; the
     # Mosaic/cuDNN variants cannot run on the CPU and must say why instead of stopping the run

@@ -123,9 +123,9 @@ def test_cuda_gather_equals_reference():
     pool, src, dst, cache = _case(3, n_pool=300, n_slots=64, n=48)
     dev = jax.devices()[0]
     host = jax.device_put(pool, SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    for ctas in (1, 4, 16, 132):
-        out = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, num_ctas=ctas, implementation="cuda"))(
-            host, src, dst, cache)
+    for ctas, threads in ((1, 256), (4, 256), (16, 256), (132, 256), (2, 1024), (3, 96)):
+        out = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, num_ctas=ctas, threads=threads,
+                                                       implementation="cuda"))(host, src, dst, cache)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
 
 
@@ -284,6 +284,13 @@ def test_host_ffi_twin_refuses_broken_pairings():
     with pytest.raises(Exception, match="lane must be in 0..3"):
         jax.block_until_ready(jax.jit(lambda c: gather_blocks_start(pool, src, dst, c, lane=4,
                                                                     implementation="host_ffi"))(cache))
+    for bad in (0, 48, 2048):  # not a warp multiple CUDA can launch: refused as the CUDA handlers do
+        with pytest.raises(Exception, match="threads must be a multiple of 32"):
+            jax.block_until_ready(jax.jit(lambda c: gather_blocks(pool, src, dst, c, threads=bad,
+                                                                  implementation="host_ffi"))(cache))
+        with pytest.raises(Exception, match="threads must be a multiple of 32"):
+            jax.block_until_ready(jax.jit(lambda c: gather_blocks_start(pool, src, dst, c, threads=bad,
+                                                                        implementation="host_ffi"))(cache))
     assert host_copies_in_flight() == 0
 
 

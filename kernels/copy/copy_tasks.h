@@ -34,6 +34,14 @@ inline xla::ffi::Error check_copy_args(size_t from_bytes, size_t to_bytes, size_
   return xla::ffi::Error::Success();
 }
 
+// Threads per copy CTA (each keeps 4 16-byte loads in flight): a warp multiple CUDA can launch.
+inline xla::ffi::Error check_threads(int32_t threads) {
+  if (threads < 32 || threads > 1024 || threads % 32 != 0) {
+    return xla::ffi::Error::InvalidArgument("threads must be a multiple of 32 in 32..1024");
+  }
+  return xla::ffi::Error::Success();
+}
+
 // The buffers of one multi-payload copy, decoded and checked.
 struct CopyPayloads {
   int n = 0;

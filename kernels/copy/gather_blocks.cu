@@ -101,7 +101,10 @@ static int copy_grid(int64_t n, int32_t num_ctas) {
 
 // Launches one copy of every payload (already decoded and checked).
 static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::Buffer<ffi::S32> src,
-                              ffi::Buffer<ffi::S32> dst, int32_t num_ctas, unsigned int* started = nullptr) {
+                              ffi::Buffer<ffi::S32> dst, int32_t num_ctas, int32_t threads,
+                              unsigned int* started = nullptr) {
+  ffi::Error e = check_threads(threads);
+  if (e.failure()) return e;
   KernelPayloads k{};
   k.n = p.n;
   for (int j = 0; j < p.n; ++j) {
@@ -114,7 +117,7 @@ static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::B
   }
   const int64_t n = static_cast<int64_t>(src.element_count());
   if (n == 0) return ffi::Error::Success();
-  copy_blocks_kernel<<<copy_grid(n, num_ctas), 256, 0, stream>>>(k, src.typed_data(), dst.typed_data(), n, p.n_from,
+  copy_blocks_kernel<<<copy_grid(n, num_ctas), threads, 0, stream>>>(k, src.typed_data(), dst.typed_data(), n, p.n_from,
                                                                  p.n_to, started);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error("copy_blocks launch failed", err);
@@ -126,12 +129,12 @@ static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::B
 // pool crosses PCIe twice.
 static ffi::Error CopyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                            ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
-                           ffi::Span<const int64_t> block_bytes) {
+                           ffi::Span<const int64_t> block_bytes, int32_t threads) {
   CopyPayloads p;
   ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
   if ((e = alias_or_copy(stream, p)).failure()) return e;
-  return launch_copy(stream, p, src, dst, num_ctas);
+  return launch_copy(stream, p, src, dst, num_ctas, threads);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
@@ -142,7 +145,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
                                   .RemainingArgs()                // pools (pinned host) x n, caches x n (aliased)
                                   .RemainingRets()                // caches x n
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes"));
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("threads"));
 
 // ---------------------------------------------------------------- asynchronous gather (start / wait)
 
@@ -224,7 +228,8 @@ cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
 
 static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
-                                  ffi::Span<const int64_t> block_bytes, int32_t resident, int32_t lane_id) {
+                                  ffi::Span<const int64_t> block_bytes, int32_t resident, int32_t lane_id,
+                                  int32_t threads) {
   CopyPayloads p;
   ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e0.failure()) return e0;
@@ -251,7 +256,7 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
   const int64_t n = static_cast<int64_t>(src.element_count());
-  ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, resident ? lane.started : nullptr);
+  ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, threads, resident ? lane.started : nullptr);
   if (e.failure()) return e;
   if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   s->in_flight[key] = done;
@@ -277,7 +282,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident")
-                                  .Attr<int32_t>("lane"));
+                                  .Attr<int32_t>("lane")
+                                  .Attr<int32_t>("threads"));
 
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -329,4 +335,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
                                   .RemainingArgs()                // caches x n, pools x n (pinned host, aliased)
                                   .RemainingRets()                // pools x n
                                   .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes"));
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("threads"));

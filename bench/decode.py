@@ -298,7 +298,7 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
 
     plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas)
     host = state.host
-    cache_l = {n: c[0] for n, c in state.cache.items()}
+    cache_l = dict(state.cache[0])
     del state
     l1, b, kh, nb = host["k"].shape[:4]
     n = max(1, int(round(rec["copied_blocks_per_step"] / (cfg.num_layers - 1))))

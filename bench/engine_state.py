@@ -158,10 +158,9 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
             ks.append(_blocks(k, bs=bs))
             vs.append(_blocks(v, bs=bs))
     stack = lambda xs: jnp.stack(xs) if xs else None
-    ckeys = jax.tree.map(lambda *a: jnp.stack(a), *cks) if cks else None
-    pk = stack(pks)
     if mode in RESIDENT_MODES:
-        return DecodeState(KVCache(stack(ks), stack(vs)), ckeys, None, None, pk)
+        ckeys = jax.tree.map(lambda *a: jnp.stack(a), *cks) if cks else None
+        return DecodeState(KVCache(stack(ks), stack(vs)), ckeys, None, None, stack(pks))
     if config.has_cis:
         raise NotImplementedError("the benchmark states carry no NOSA cis")
     n_slots = sp.topk if n_slots is None else n_slots
@@ -173,9 +172,9 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
         host[name] = jax.device_put(dev, hs)
         del dev
     l1, kh, d = config.num_layers - 1, config.num_kv_heads, config.head_dim
-    cache = {n: jnp.zeros((l1, batch, kh, n_slots, bs, d), BF16) for n in ("k", "v")}
+    cache = tuple({n: jnp.zeros((batch, kh, n_slots, bs, d), BF16) for n in ("k", "v")} for _ in range(l1))
     table = jnp.full((l1, batch, kh, n_slots), -1, jnp.int32)
-    return OffloadState(l0, host, cache, table, ckeys, None, pk)
+    return OffloadState(l0, host, cache, table, tuple(cks), None, tuple(pks) if pks else None)
 
 
 def _host_sharding():

@@ -5,7 +5,7 @@ Where data lives (SPEC.md section 5):
           KV head is one contiguous 16 KB run for MiniCPM4's Dh=128 in bf16), in the
           `pinned_host` memory kind where the backend has it
   device  layer 0's K/V (contiguous), compressed keys of every layer, InfiniGen's partial keys,
-          and the block cache: slots [L-1, B, K, n_slots, bs, Dh] with their table
+          and the block cache: slots [B, K, n_slots, bs, Dh] per layer with their table
           [L-1, B, K, n_slots] (the block id each slot holds, -1 empty)
 
 Decode, per layer l >= 1: select blocks (the mode's selector), keep the resident ones, copy
@@ -47,7 +47,7 @@ from sparda_jax.kernels.copy_engine import (FFI_IMPLEMENTATIONS, autotune_num_ct
 from .blockcache import assign_slots
 
 __all__ = ["ENGINE_MODES", "OFFLOAD_MODES", "OffloadState", "engine_prefill", "engine_decode_step",
-           "selector_of", "memory_report"]
+           "selector_of", "memory_report", "per_layer", "stacked"]
 
 OFFLOAD_MODES = ("sparse", "infinigen", "sparda_sync", "sparda")
 RESIDENT_MODES = {"dense_resident": "dense", "sparse_resident": "sparse"}
@@ -68,23 +68,44 @@ class OffloadState(struct.PyTreeNode):
 
     l0     layer 0 on the device, contiguous: k, v [B, S, K, Dh], cis [B, S, K]
     host   layers 1..L-1 in host memory, paged: k, v [L-1, B, K, nb, bs, Dh], cis [L-1, B, K, nb, bs]
-    cache  the device block cache: k, v [L-1, B, K, n_slots, bs, Dh], cis [L-1, B, K, n_slots, bs]
+    cache  the device block cache, one dict per layer 1..L-1: k, v [B, K, n_slots, bs, Dh], cis
+           [B, K, n_slots, bs, 1]
     table  [L-1, B, K, n_slots] int32 block id per slot (-1 empty)
-    ckeys  compressed keys of every layer; ccis NOSA's compressed cis (Dh = 1); pk InfiniGen's
-           partial keys [L, B, S, K, r]
+    ckeys  compressed keys, one per layer 0..L-1; ccis NOSA's compressed cis (Dh = 1), per layer;
+           pk InfiniGen's partial keys, one [B, S, K, r] per layer
+
+    The per-layer state is a tuple of buffers, not one stacked array: a decode step updates each
+    layer's cache and keys in place, and a stacked array would go through a slice and a restack
+    (a copy of every layer's cache and keys) every step. On the H200 those copies took ~0.8 of the
+    2.1 busy ms of SparDA's compute stream at batch 16 and 128K, 4 layers
+    (bench/results/profiles/decode_sparda_T131072_B16_8517789.trace.json.gz:
+    input_concatenate_fusion, MemcpyD2D, memcpy128).
     """
 
     l0: dict
     host: dict
-    cache: dict
+    cache: tuple
     table: jax.Array
-    ckeys: CompressedKeys
-    ccis: CompressedKeys | None
-    pk: jax.Array | None
+    ckeys: tuple
+    ccis: tuple | None
+    pk: tuple | None
 
     @property
     def size(self) -> int:
         return self.l0["k"].shape[1]
+
+
+def per_layer(tree):
+    """A pytree stacked along a leading layer axis -> a tuple of per-layer pytrees (None stays)."""
+    if tree is None:
+        return None
+    n = jax.tree.leaves(tree)[0].shape[0]
+    return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n))
+
+
+def stacked(layers):
+    """The inverse of `per_layer`."""
+    return None if layers is None else jax.tree.map(lambda *a: jnp.stack(a), *layers)
 
 
 def _host_sharding():
@@ -124,9 +145,11 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     host_sharding = _host_sharding()
     host = {n: jax.device_put(_to_blocks(a[1:], bs), host_sharding) for n, a in full.items()}
     b, kh = tokens.shape[0], config.num_kv_heads
-    cache = {n: jnp.zeros((config.num_layers - 1, b, kh, n_slots, bs, a.shape[-1]), a.dtype) for n, a in full.items()}
+    cache = tuple({n: jnp.zeros((b, kh, n_slots, bs, a.shape[-1]), a.dtype) for n, a in full.items()}
+                  for _ in range(config.num_layers - 1))
     state = OffloadState({n: a[0] for n, a in full.items()}, host, cache,
-                         jnp.full((config.num_layers - 1, b, kh, n_slots), -1, jnp.int32), st.ckeys, st.ccis, st.pk)
+                         jnp.full((config.num_layers - 1, b, kh, n_slots), -1, jnp.int32), per_layer(st.ckeys),
+                         per_layer(st.ccis), per_layer(st.pk))
     return last, state
 
 
@@ -294,45 +317,37 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         return _fetch(plan, ids, table, cache_l, state.host, l_next, pos, start=async_copy, active=active)
 
     # layer 0: on the device, contiguous
+    ccis = state.ccis or (None,) * c.num_layers
+    pks = state.pk or (None,) * c.num_layers
     x = embed(params, tokens[:, None], c, plan.dtype)
-    v0, h0, q0, new0, ck0, cc0, pk0 = project(x, at(lps, 0), 0, at(state.ckeys, 0),
-                                               None if state.ccis is None else at(state.ccis, 0),
-                                               None if state.pk is None else state.pk[0])
+    v0, h0, q0, new0, ck0, cc0, pk0 = project(x, at(lps, 0), 0, state.ckeys[0], ccis[0], pks[0])
     l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype)) for n, a in state.l0.items()}
     ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
     pre = None
     if prefetch:  # layer 1's copy runs during layer 0's attention and FFN
-        pre = prefetch_next(h0, 1, state.table[0], at(state.cache, 0), at(state.ckeys, 1),
-                            None if state.ccis is None else at(state.ccis, 1))
+        pre = prefetch_next(h0, 1, state.table[0], state.cache[0], state.ckeys[1], ccis[1])
         if async_copy:
             q0 = _after_start(pre.cache, q0)
     attn = sparse_attention(q0, l0["k"].astype(q0.dtype), l0["v"].astype(q0.dtype), ids0[:, :, None], qpos,
                             block_size=bs, bias=l0["cis"][..., 0] if "cis" in l0 else None)
     x = layer.apply(v0, x, attn, method="finish")
 
-    # layers 1..L-1. Per-layer cache arrays are indexed by layer - 1, compressed keys by layer;
-    # `nxt` gives iteration l the slices of layer l+1 (the last iteration gets a dummy).
-    nxt = lambda a: jnp.concatenate([a[1:], a[-1:]], axis=0)
-    tail = lambda t: None if t is None else jax.tree.map(lambda a: a[1:], t)
-    xs = dict(l=jnp.arange(1, c.num_layers), lp=tail(lps), ckeys=tail(state.ckeys), ccis=tail(state.ccis),
-              pk=tail(state.pk), table=state.table, cache=state.cache)
-    if prefetch:
-        xs.update(n_table=nxt(state.table), n_cache=jax.tree.map(nxt, state.cache),
-                  n_ckeys=jax.tree.map(lambda a: nxt(a[1:]), state.ckeys),
-                  n_ccis=None if state.ccis is None else jax.tree.map(lambda a: nxt(a[1:]), state.ccis))
-
     def body(carry, xs):
+        """Layer l = xs["l"]; xs holds its slices (and, for prefetch, layer l+1's as n_*; the
+        unrolled loop gives the last layer none: nothing is prefetched past it)."""
         x, h_prev, pre = carry
         l = xs["l"]
         v, h, q, new, ck, cc, pk_l = project(x, xs["lp"], l, xs["ckeys"], xs["ccis"], xs["pk"])
         if prefetch:
-            own = pre
-            new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
-                                    xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers)
+            own, new_pre = pre, None
+            if "n_cache" in xs:
+                new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
+                                        xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers)
             if async_copy:
                 # issue layer l+1's copy before this layer's attention and FFN, then wait for
                 # this layer's (started one layer earlier) as late as possible
-                q = _after_start(new_pre.cache, q)
+                if new_pre is not None:
+                    q = _after_start(new_pre.cache, q)
                 own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, q))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
@@ -349,51 +364,72 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         return (x, h, new_pre), out
 
     if plan.copy_impl in FFI_IMPLEMENTATIONS:
-        # a Python loop, not a scan, around the copy custom calls. With copies in flight across
-        # layers it is needed for correctness: a loop carry may be copied by XLA, and a copy of a
-        # buffer the side stream is still writing would read it half-written (not scan(unroll=...)
-        # either: a scan of one trip, 2 layers, is a while loop whatever unroll says, and the H200
-        # and the host_ffi twin lost the start's buffer there). The synchronous modes take it for
-        # speed: in a scan the layers' cache slices went through 57 device-to-device copies and 10
-        # copy kernels a step (slices out, the custom call's own buffers, stacked back), 1.9 of 5.7
-        # busy ms of a Sparse step of 4 layers at batch 8 on the H200; unrolled, SparDA's step had
-        # 8 and 0.2 ms (bench/results/decode_profile_74bb579.json)
+        # a Python loop, not a scan, around the copy custom calls, over the per-layer buffers of
+        # the state (each updated in place). With copies in flight across layers it is needed for
+        # correctness: a loop carry may be copied by XLA, and a copy of a buffer the side stream is
+        # still writing would read it half-written (not scan(unroll=...) either: a scan of one trip,
+        # 2 layers, is a while loop whatever unroll says, and the H200 and the host_ffi twin lost
+        # the start's buffer there). The synchronous modes take it for speed: in a scan the layers'
+        # cache slices went through 57 device-to-device copies and 10 copy kernels a step, 1.9 of
+        # 5.7 busy ms of a Sparse step of 4 layers at batch 8 on the H200; unrolled, SparDA's step
+        # had 8 and 0.2 ms (bench/results/decode_profile_74bb579.json)
         carry, steps = (x, h0, pre), []
         for i in range(c.num_layers - 1):
-            carry, y = body(carry, jax.tree.map(lambda a: a[i], xs))
+            l = i + 1
+            xs = dict(l=l, lp=at(lps, l), ckeys=state.ckeys[l], ccis=ccis[l], pk=pks[l],
+                      table=state.table[i], cache=state.cache[i])
+            if prefetch and l + 1 < c.num_layers:
+                xs.update(n_table=state.table[i + 1], n_cache=state.cache[i + 1], n_ckeys=state.ckeys[l + 1],
+                          n_ccis=ccis[l + 1])
+            carry, y = body(carry, xs)
             steps.append(y)
-        (x, _, pre), ys = carry, jax.tree.map(lambda *a: jnp.stack(a), *steps)
-    else:
+        (x, _, pre) = carry
+        ys = {k: tuple(y[k] for y in steps) for k in steps[0]}
+    else:  # the reference copies (copy_impl "xla"): one scan over the layers' stacked slices
+        # `nxt` gives iteration l the slices of layer l+1 (the last iteration gets a dummy)
+        nxt = lambda a: jnp.concatenate([a[1:], a[-1:]], axis=0)
+        tail = lambda t: None if t is None else stacked(t[1:])  # per-layer tuples of layers 0..L-1
+        cache_s = stacked(state.cache)
+        xs = dict(l=jnp.arange(1, c.num_layers), lp=jax.tree.map(lambda a: a[1:], lps), ckeys=tail(state.ckeys),
+                  ccis=tail(state.ccis), pk=tail(state.pk), table=state.table, cache=cache_s)
+        if prefetch:
+            xs.update(n_table=nxt(state.table), n_cache=jax.tree.map(nxt, cache_s),
+                      n_ckeys=jax.tree.map(nxt, tail(state.ckeys)),
+                      n_ccis=None if state.ccis is None else jax.tree.map(nxt, tail(state.ccis)))
         (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs)
-    if async_copy:  # the last layer's prefetch had no tasks; its wait retires the start
+        ys = {k: (per_layer(v) if k in ("ckeys", "ccis", "pk", "cache") else v) for k, v in ys.items()}
+    if async_copy and pre is not None:  # a prefetch past the last layer had no tasks; its wait retires it
         x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre.cache, pre.src, pre.dst, x)))
-    join = lambda a0, a: jnp.concatenate([a0[None], a], axis=0)
-    new = state.replace(
-        l0=l0, cache=ys["cache"], table=ys["table"], ckeys=jax.tree.map(join, ck0, ys["ckeys"]),
-        ccis=None if state.ccis is None else jax.tree.map(join, cc0, ys["ccis"]),
-        pk=None if state.pk is None else join(pk0, ys["pk"]))
+    stack = lambda a: a if isinstance(a, jax.Array) else jnp.stack(a)
+    opt = lambda first, rest: None if first is None else (first,) + tuple(rest)
+    new = state.replace(l0=l0, cache=tuple(ys["cache"]), table=stack(ys["table"]), ckeys=(ck0,) + tuple(ys["ckeys"]),
+                        ccis=opt(cc0, ys["ccis"]), pk=opt(pk0, ys["pk"]))
     new = _flush_completed(plan, new, pos, bs)
     # each layer's copies are counted once, by the iteration that consumes them
-    stats = {"copied_blocks": jnp.sum(ys["n_copies"]), "selected_blocks": jnp.sum(ys["selected"])}
+    stats = {"copied_blocks": jnp.sum(stack(ys["n_copies"])), "selected_blocks": jnp.sum(stack(ys["selected"]))}
     return unembed(params, x, c)[:, 0], new, stats
 
 
 def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> OffloadState:
-    """Blocks whose last token was written this step go from their slot to the host. The CUDA
-    engine writes just those blocks into the pinned pool in place; the reference moves the
-    pool to the device and back."""
+    """Blocks whose last token was written this step go from their slot to the host. Each
+    layer's slot of the written block is gathered into one small staging array ((L-1) x B x K
+    blocks, every step: no branch), which one write-back moves into the pool; the CUDA engine
+    writes just the completed blocks into the pinned pool in place, the reference moves the pool
+    to the device and back."""
     done = (pos % bs) == bs - 1  # [B]
     blk = pos // bs
     slot = jnp.argmax(state.table == blk[None, :, None, None], axis=-1)  # [L-1, B, K]
     l1, b, kh = slot.shape
-    n_slots, nb = state.table.shape[-1], state.host["k"].shape[3]
+    nb = state.host["k"].shape[3]
     row = jnp.arange(l1 * b * kh).reshape(l1, b, kh)  # (layer, sequence, KV head)
-    src = jnp.where(done[None, :, None], row * n_slots + slot, -1).reshape(-1).astype(jnp.int32)
+    bi, hi = jnp.arange(b)[:, None], jnp.arange(kh)[None, :]
+    src = jnp.where(done[None, :, None], row, -1).reshape(-1).astype(jnp.int32)
     dst = (row * nb + blk[None, :, None]).reshape(-1).astype(jnp.int32)
     names = list(state.host)
-    caches = tuple(state.cache[n].reshape(-1, *state.cache[n].shape[4:]).astype(state.host[n].dtype) for n in names)
+    staged = tuple(jnp.stack([c[n][bi, hi, slot[i]] for i, c in enumerate(state.cache)])
+                   .reshape(l1 * b * kh, *state.host[n].shape[4:]).astype(state.host[n].dtype) for n in names)
     pools = tuple(state.host[n].reshape(-1, *state.host[n].shape[4:]) for n in names)
-    out = scatter_blocks(caches, src, dst, pools, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
+    out = scatter_blocks(staged, src, dst, pools, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
     return state.replace(host={n: o.reshape(state.host[n].shape) for n, o in zip(names, out)})
 
 
@@ -437,16 +473,16 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
                 copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
                 skip_copies: bool = False) -> _EnginePlan:
     """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
-    state's block cache `cache` ({payload: [L-1, B, K, n_slots, bs, X]}); public so that a
+    state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
-    batch = int(cache["k"].shape[1])
+    batch = int(cache[0]["k"].shape[0])
     if copy_impl is None:
         copy_impl = "cuda" if jax.default_backend() == "gpu" else "xla"
     if num_ctas is None:
         num_ctas = paper_num_ctas(batch)
     elif num_ctas == "auto":  # timed once per copy size on this GPU (cached)
-        c = cache["k"]
-        num_ctas = autotune_num_ctas(int(c.shape[1] * c.shape[2] * c.shape[3]), tuple(c.shape[4:]), str(c.dtype)) \
+        c = cache[0]["k"]
+        num_ctas = autotune_num_ctas(int(c.shape[0] * c.shape[1] * c.shape[2]), tuple(c.shape[3:]), str(c.dtype)) \
             if copy_impl == "cuda" else paper_num_ctas(batch)
     return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, skip_copies)
 

@@ -53,9 +53,10 @@ for stage in "$@"; do
         --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 170 --out "$OUT/decode_claims.json" 2>&1 | tail -30 ;;
     decode-overlap)  # the overlap claim: each claims' row (random traffic and SmolLM2's miss rates) also timed
                      # with no data moved (compute alone) and as its copies alone (bench/decode.py _overlap);
-                     # every plan compiles in ~26 s, 8 plans: ~300 s
+                     # every plan compiles in ~26 s, 8 plans: ~300 s; 16 timed steps (6 varied by +-15%
+                     # between runs: decode_host.json vs decode_overlap.json)
       timeout 380 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 16 --modes sparse sparda sparda_sync \
-        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 300 \
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 300 --repeats 16 \
         --out "$OUT/decode_overlap.json" 2>&1 | tail -30 ;;
     decode-auto)  # the claims' pairs with the autotuned CTA count (16 CTAs copy a 32 MiB layer at 29 GB/s of the
                   # 51 GB/s bulk rate: copy.json's overlap rows), SmolLM2's miss rates from decode.json

@@ -144,13 +144,13 @@ def _row_inputs(ctx: _Ctx, context: int, batch: int, n_rep: int, n: int) -> list
     return inputs
 
 
-def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False):
+def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False, copy_group: int = 1):
     """step(tokens, positions, state) -> (logits, state, stats) of the row's mode and copy settings."""
     kw = kwargs_for(ctx.extras, mode)
 
     def step(tok, pos, st):
         return engine_decode_step(ctx.params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
-                                  num_ctas=num_ctas, skip_copies=skip_copies, **kw)
+                                  num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group, **kw)
     return step
 
 
@@ -169,14 +169,15 @@ def _back_to_back(call, carry, lo: int, hi: int):
 
 def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int, warmup: int,
                   reuse_fraction: float = 0.0, num_ctas: int | None = None, copy_impl: str | None = None,
-                  check: bool = True, profile_steps: int = 0, profile_dir=None, overlap: bool = False) -> dict:
+                  check: bool = True, profile_steps: int = 0, profile_dir=None, overlap: bool = False,
+                  copy_group: int = 1) -> dict:
     """overlap: also time the row's steps without their data movement and the data movement
     alone (`_overlap`), after the row (rec["overlap"])."""
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
            "variant": "random" if n_rep == 0 else f"reuse={n_rep / batch:.2f}",
-           "repeating_rows": n_rep, "num_ctas": num_ctas}
+           "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group}
     feas = feasibility(full, mode, batch=batch, context=context, weights=ctx.weights_full)
     rec["feasibility"] = {k: feas[k] for k in ("fits", "reason", "host_need_bytes", "device_need_bytes",
                                                "host_bytes", "device_limit_bytes", "layers")}
@@ -186,7 +187,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     t_build = time.perf_counter()
     state = _build(ctx, mode, context, batch)
     rec["state_build_seconds"] = time.perf_counter() - t_build
-    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas)
+    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group)
     inputs = _row_inputs(ctx, context, batch, n_rep, 1 + warmup + 2 * steps + profile_steps)
 
     t0 = time.perf_counter()
@@ -257,7 +258,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         bytes_copied_per_step=copied * bb, bytes_copied_per_step_scaled=copied * bb * per_layer_copy_scale)
     if overlap and mode in OFFLOAD_MODES:
         rec["overlap"] = _overlap(ctx, mode, context, batch, inputs, rec, steps=steps, warmup=warmup,
-                                  copy_impl=copy_impl, num_ctas=num_ctas)
+                                  copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group)
     return rec
 
 
@@ -283,7 +284,7 @@ def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
 
 
 def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, *, steps: int, warmup: int,
-             copy_impl, num_ctas) -> dict:
+             copy_impl, num_ctas, copy_group: int = 1) -> dict:
     """The issue's overlap measurement, in the same run as the row: the row's steps with every
     copy disabled (`skip_copies`: same launches, bookkeeping and inputs, no data moved) and the
     row's data movement alone (`_copy_only`: its copied blocks per step and layer, random
@@ -291,12 +292,14 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
     the layers timed, unscaled, like step_seconds."""
     cfg = ctx.cfg
     state = _build(ctx, mode, context, batch)
-    advance = _advancer(_stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, skip_copies=True), inputs)
+    advance = _advancer(_stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, skip_copies=True,
+                                 copy_group=copy_group), inputs)
     state = _back_to_back(advance, state, 0, 1 + warmup)[1]  # compile, cold cache, warm-up
     compute, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
     skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
 
-    plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas)
+    plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas,
+                       copy_group=copy_group)
     host = state.host
     cache_l = dict(state.cache[0])
     del state
@@ -398,8 +401,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  layers: int | None = 4, steps: int = 6, warmup: int = 2, reuse_fractions=(0.5,),
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
-                 with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, seed: int = 0, out=None,
-                 log=None) -> dict:
+                 with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, copy_group: int = 1,
+                 seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
     (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the rows (random
@@ -426,7 +429,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     ctx = _Ctx(preset, layers, modes, seed, log)
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
-                              copy_impl=copy_impl, budget_s=budget_s, overlap=overlap)
+                              copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group)
     if real_model:
         try:
             r["real_model"] = real_miss_rate(real_model, log=log)
@@ -450,7 +453,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             if overlap and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
                 prof["overlap"] = True
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
-                                check=check, **prof, **kw)
+                                check=check, copy_group=copy_group, **prof, **kw)
             _floors(rec, ctx, ceil, h2d)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
             rec = {"mode": mode, "T": t, "batch": b, "status": unavailable(e),
@@ -741,6 +744,6 @@ def main(args) -> int:
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
-                         profile_steps=args.profile_steps, overlap=args.overlap, out=out)
+                         profile_steps=args.profile_steps, overlap=args.overlap, copy_group=args.copy_group, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

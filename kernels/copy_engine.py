@@ -42,7 +42,7 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "COPY_THREADS"]
+           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "COPY_THREADS", "COPY_GROUP"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -55,6 +55,9 @@ TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": 
 # (bench/results/decode_overlap.json: 49 of 52 GB/s); more threads per CTA carry the same bytes
 # in fewer CTAs (fewer SMs taken from the layer's kernels)
 COPY_THREADS = 256
+# Tasks (blocks) a CTA copies as one range, 16 loads per thread in flight when > 1 (1: the
+# 4-deep kernel); measured in bench/results/copy_pipeline_group.json
+COPY_GROUP = 1
 NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-gencode", "arch=compute_90,code=sm_90",
               "-gencode", "arch=compute_80,code=sm_80")
 
@@ -278,7 +281,7 @@ def _copy_call(target: str, src, dst, froms, tos, *, host_result=False, **attrs)
     return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), *froms, *tos, **attrs))
 
 
-def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = COPY_THREADS,
+def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = COPY_THREADS, group: int = COPY_GROUP,
                   implementation: str | None = None):
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
     (device) -> the updated cache; or tuples of pools and caches (payloads, one launch) -> the
@@ -290,12 +293,12 @@ def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = C
     pools, caches, one = _payloads(pool, cache, src, dst)
     _register(implementation)
     out = _copy_call("sparda_gather_blocks", src, dst, pools, caches, num_ctas=np.int32(num_ctas),
-                     block_bytes=_block_bytes(caches), threads=np.int32(threads))
+                     block_bytes=_block_bytes(caches), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out
 
 
 def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True, lane: int = 0,
-                        threads: int = COPY_THREADS, implementation: str | None = None):
+                        threads: int = COPY_THREADS, group: int = COPY_GROUP, implementation: str | None = None):
     """Start `gather_blocks`; returns the cache (or tuple of caches) being written. Nothing may
     read it before `gather_blocks_wait(cache, src, dst, after)` with the same src and dst.
     resident: XLA's stream goes on only once every copy CTA holds its SM (else a persistent GEMM
@@ -310,7 +313,7 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
     _register(implementation)
     out = _copy_call("sparda_gather_start", src, dst, pools, caches,
                      num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident),
-                     lane=np.int32(lane), threads=np.int32(threads))
+                     lane=np.int32(lane), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out
 
 
@@ -345,7 +348,7 @@ def scatter_blocks_reference(cache, src, dst, pool):
     return out[0] if one else out
 
 
-def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = COPY_THREADS,
+def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = COPY_THREADS, group: int = COPY_GROUP,
                    implementation: str | None = None):
     """cache [n_slots, *block] (device), src/dst int32 [n], pool [n_pool, *block] (pinned host
     for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]; or tuples (payloads, one launch)
@@ -357,5 +360,5 @@ def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = 
     pools, caches, one = _payloads(pool, cache, dst, src)
     _register(implementation)
     out = _copy_call("sparda_scatter_blocks", src, dst, caches, pools, host_result=True, num_ctas=np.int32(num_ctas),
-                     block_bytes=_block_bytes(caches), threads=np.int32(threads))
+                     block_bytes=_block_bytes(caches), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out

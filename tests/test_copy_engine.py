@@ -123,8 +123,10 @@ def test_cuda_gather_equals_reference():
     pool, src, dst, cache = _case(3, n_pool=300, n_slots=64, n=48)
     dev = jax.devices()[0]
     host = jax.device_put(pool, SingleDeviceSharding(dev, memory_kind="pinned_host"))
-    for ctas, threads in ((1, 256), (4, 256), (16, 256), (132, 256), (2, 1024), (3, 96)):
-        out = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, num_ctas=ctas, threads=threads,
+    # groups > 1 take the deeper kernel: 48 tasks make 12 whole groups of 4, and 9 of 5 plus a ragged 3
+    for ctas, threads, group in ((1, 256, 1), (4, 256, 1), (16, 256, 1), (132, 256, 1), (2, 1024, 1), (3, 96, 1),
+                                 (4, 256, 4), (3, 128, 5), (132, 256, 8)):
+        out = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, num_ctas=ctas, threads=threads, group=group,
                                                        implementation="cuda"))(host, src, dst, cache)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
 
@@ -284,6 +286,10 @@ def test_host_ffi_twin_refuses_broken_pairings():
     with pytest.raises(Exception, match="lane must be in 0..3"):
         jax.block_until_ready(jax.jit(lambda c: gather_blocks_start(pool, src, dst, c, lane=4,
                                                                     implementation="host_ffi"))(cache))
+    for bad in (0, 9):
+        with pytest.raises(Exception, match="group must be in 1..8"):
+            jax.block_until_ready(jax.jit(lambda c: gather_blocks(pool, src, dst, c, group=bad,
+                                                                  implementation="host_ffi"))(cache))
     for bad in (0, 48, 2048):  # not a warp multiple CUDA can launch: refused as the CUDA handlers do
         with pytest.raises(Exception, match="threads must be a multiple of 32"):
             jax.block_until_ready(jax.jit(lambda c: gather_blocks(pool, src, dst, c, threads=bad,

@@ -42,6 +42,15 @@ inline xla::ffi::Error check_threads(int32_t threads) {
   return xla::ffi::Error::Success();
 }
 
+// Tasks a copy CTA moves as one range (the CUDA kernel's deeper variant for group > 1).
+constexpr int kMaxGroup = 8;
+inline xla::ffi::Error check_group(int32_t group) {
+  if (group < 1 || group > kMaxGroup) {
+    return xla::ffi::Error::InvalidArgument("group must be in 1.." + std::to_string(kMaxGroup));
+  }
+  return xla::ffi::Error::Success();
+}
+
 // The buffers of one multi-payload copy, decoded and checked.
 struct CopyPayloads {
   int n = 0;

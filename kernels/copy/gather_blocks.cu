@@ -80,6 +80,59 @@ __global__ void copy_blocks_kernel(KernelPayloads p, const int32_t* __restrict__
   }
 }
 
+// Deeper: the tasks of a group of `group` (<= kMaxGroup) are copied as one range of vectors, with
+// kDeepUnroll loads per thread in flight (256 threads x 16 x 16 B = 64 KB per CTA for groups of
+// 4 blocks of 16 KB, 4x the kernel above): a copy beside HBM-bound kernels reads over PCIe at
+// a longer latency, and bytes in flight set its rate (bench/results/copy_pipeline*.json).
+constexpr int kDeepUnroll = 16;
+
+__global__ void copy_groups_kernel(KernelPayloads p, const int32_t* __restrict__ src,
+                                   const int32_t* __restrict__ dst, int64_t n_tasks, int64_t n_from, int64_t n_to,
+                                   unsigned int* started, int group) {
+  __shared__ int32_t gs[kMaxGroup], gd[kMaxGroup];  // the group's tasks; -1: skipped
+  if (started != nullptr && threadIdx.x == 0) {
+    atomicAdd(started, 1u);
+    __threadfence_system();
+  }
+  const int step = blockDim.x;
+  for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * group; t0 < n_tasks;
+       t0 += static_cast<int64_t>(gridDim.x) * group) {
+    const int g = static_cast<int>(n_tasks - t0 < group ? n_tasks - t0 : group);
+    __syncthreads();  // every thread is done with the previous group's indices
+    if (threadIdx.x < g) {
+      const int32_t s = src[t0 + threadIdx.x];
+      const int32_t d = dst[t0 + threadIdx.x];
+      const bool ok = !(s < 0 || s >= n_from || d < 0 || d >= n_to);
+      gs[threadIdx.x] = ok ? s : -1;
+      gd[threadIdx.x] = ok ? d : -1;
+    }
+    __syncthreads();
+    for (int j = 0; j < p.n; ++j) {
+      const int vecs = static_cast<int>(p.vecs[j]);
+      const int total = g * vecs;
+      for (int base = threadIdx.x; base < total; base += kDeepUnroll * step) {
+        uint4 r[kDeepUnroll];
+#pragma unroll
+        for (int u = 0; u < kDeepUnroll; ++u) {
+          const int i = base + u * step;
+          if (i < total) {
+            const int k = i / vecs;
+            if (gs[k] >= 0) r[u] = p.from[j][static_cast<int64_t>(gs[k]) * vecs + (i - k * vecs)];
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kDeepUnroll; ++u) {
+          const int i = base + u * step;
+          if (i < total) {
+            const int k = i / vecs;
+            if (gs[k] >= 0) p.to[j][static_cast<int64_t>(gd[k]) * vecs + (i - k * vecs)] = r[u];
+          }
+        }
+      }
+    }
+  }
+}
+
 static ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
@@ -101,10 +154,11 @@ static int copy_grid(int64_t n, int32_t num_ctas) {
 
 // Launches one copy of every payload (already decoded and checked).
 static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::Buffer<ffi::S32> src,
-                              ffi::Buffer<ffi::S32> dst, int32_t num_ctas, int32_t threads,
+                              ffi::Buffer<ffi::S32> dst, int32_t num_ctas, int32_t threads, int32_t group,
                               unsigned int* started = nullptr) {
   ffi::Error e = check_threads(threads);
   if (e.failure()) return e;
+  if ((e = check_group(group)).failure()) return e;
   KernelPayloads k{};
   k.n = p.n;
   for (int j = 0; j < p.n; ++j) {
@@ -117,8 +171,13 @@ static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::B
   }
   const int64_t n = static_cast<int64_t>(src.element_count());
   if (n == 0) return ffi::Error::Success();
-  copy_blocks_kernel<<<copy_grid(n, num_ctas), threads, 0, stream>>>(k, src.typed_data(), dst.typed_data(), n, p.n_from,
-                                                                 p.n_to, started);
+  if (group > 1) {
+    copy_groups_kernel<<<copy_grid(-(-n / group), num_ctas), threads, 0, stream>>>(
+        k, src.typed_data(), dst.typed_data(), n, p.n_from, p.n_to, started, group);
+  } else {
+    copy_blocks_kernel<<<copy_grid(n, num_ctas), threads, 0, stream>>>(k, src.typed_data(), dst.typed_data(), n,
+                                                                     p.n_from, p.n_to, started);
+  }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error("copy_blocks launch failed", err);
   return ffi::Error::Success();
@@ -129,12 +188,12 @@ static ffi::Error launch_copy(cudaStream_t stream, const CopyPayloads& p, ffi::B
 // pool crosses PCIe twice.
 static ffi::Error CopyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                            ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
-                           ffi::Span<const int64_t> block_bytes, int32_t threads) {
+                           ffi::Span<const int64_t> block_bytes, int32_t threads, int32_t group) {
   CopyPayloads p;
   ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
   if ((e = alias_or_copy(stream, p)).failure()) return e;
-  return launch_copy(stream, p, src, dst, num_ctas, threads);
+  return launch_copy(stream, p, src, dst, num_ctas, threads, group);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
@@ -146,7 +205,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
                                   .RemainingRets()                // caches x n
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads"));
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
 
 // ---------------------------------------------------------------- asynchronous gather (start / wait)
 
@@ -229,7 +289,7 @@ cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
 static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
                                   ffi::Span<const int64_t> block_bytes, int32_t resident, int32_t lane_id,
-                                  int32_t threads) {
+                                  int32_t threads, int32_t group) {
   CopyPayloads p;
   ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e0.failure()) return e0;
@@ -256,14 +316,14 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
   const int64_t n = static_cast<int64_t>(src.element_count());
-  ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, threads, resident ? lane.started : nullptr);
+  ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, threads, group, resident ? lane.started : nullptr);
   if (e.failure()) return e;
   if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   s->in_flight[key] = done;
   if (resident && n > 0) {
     WaitValueFn wait_value = nullptr;
     if ((err = wait_value_fn(&wait_value)) != cudaSuccess) return cuda_error("cuStreamWaitValue32 lookup", err);
-    lane.launched += static_cast<unsigned int>(copy_grid(n, num_ctas));
+    lane.launched += static_cast<unsigned int>(copy_grid(group > 1 ? -(-n / group) : n, num_ctas));
     // GEQ compares as (int32)(*addr - value) >= 0, so the wrapping counter stays correct
     const CUresult r = wait_value(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUdeviceptr>(lane.started),
                                   lane.launched, CU_STREAM_WAIT_VALUE_GEQ);
@@ -283,7 +343,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident")
                                   .Attr<int32_t>("lane")
-                                  .Attr<int32_t>("threads"));
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
 
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -336,4 +397,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
                                   .RemainingRets()                // pools x n
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads"));
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));

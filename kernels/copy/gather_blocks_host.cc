@@ -51,10 +51,11 @@ std::unordered_set<uintptr_t> g_in_flight;  // the first buffer of each started 
 // The gather and the write-back: the same copy with the sides swapped (their operands say which)
 static ffi::Error CopyImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
                            ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
-                           int32_t threads) {
+                           int32_t threads, int32_t group) {
   (void)num_ctas;
   ffi::Error e = check_threads(threads);
   if (e.failure()) return e;
+  if ((e = check_group(group)).failure()) return e;
   CopyPayloads p;
   e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;
@@ -71,15 +72,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, CopyImpl,
                                   .RemainingRets()                // caches x n
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads"));
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
 
 static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
                                   ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
-                                  int32_t resident, int32_t lane, int32_t threads) {
+                                  int32_t resident, int32_t lane, int32_t threads, int32_t group) {
   (void)num_ctas;
   (void)resident;
   ffi::Error e0 = check_threads(threads);
   if (e0.failure()) return e0;
+  if ((e0 = check_group(group)).failure()) return e0;
   if (lane < 0 || lane >= kMaxPayloads) {
     return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kMaxPayloads - 1));
   }
@@ -107,7 +110,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident")
                                   .Attr<int32_t>("lane")
-                                  .Attr<int32_t>("threads"));
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
 
 static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                  ffi::RemainingArgs args, ffi::RemainingRets rets) {
@@ -150,7 +154,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
                                   .RemainingRets()                // pools x n
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads"));
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
 
 // How many starts are still waiting for their wait: 0 after every complete engine step.
 extern "C" int64_t sparda_host_copies_in_flight() {

@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.envinfo import environment
-from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_start,
+from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_dma_start, gather_blocks_start,
                                             gather_blocks_wait, scatter_blocks, scatter_blocks_reference)
 
 __all__ = ["bench_copy"]
@@ -185,6 +185,7 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
 
 
 def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), threads=(256, 1024), groups=(1,),
+                   starts=("lanes",),
                    compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
                    implementation: str = "cuda", log=None) -> dict:
     """The engine's prefetch pattern without the engine: does it hide the copy, and what does
@@ -192,11 +193,15 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
     l first starts layer l+1's copy (K and V, one `gather_blocks_start` each on lanes 0 and 1,
     the CTA quota split as the engine splits it), then waits for its own, then runs a decode
     layer's weight-read-bound work (skinny [16, 4096] x [4096, 14336] x [14336, 4096] matmuls,
-    repeated to ~compute_ms) that reads its cache (as attention does). `blocks`: K/V block pairs per layer (240: SmolLM2's miss rate at
-    batch 16 and 128K, 1920: random traffic; bench/results/decode_overlap.json). Timed per
-    (blocks, CTAs, threads per CTA, task group, resident): compute alone, copies alone (start + wait per
-    layer), serial (a synchronous gather then the work, per layer) and pipelined. Every copy is
-    checked against NumPy. implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test."""
+    repeated to ~compute_ms) that reads its cache (as attention does). `blocks`: K/V block pairs per
+    layer (240: SmolLM2's miss rate at batch 16 and 128K, 1920: random traffic;
+    bench/results/decode_overlap.json). Timed per (blocks, start, CTAs, threads per CTA, task group,
+    resident): compute alone, copies alone (start + wait per layer), serial (a synchronous gather
+    then the work, per layer) and pipelined. `starts`: "lanes" (the engine's: one start per payload
+    on its own lane), "one" (K and V in one start, one launch with the whole quota), "dma"
+    (`gather_blocks_dma_start`: the DMA engines). Every copy is checked against NumPy.
+    implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
+    """
     from sparda_jax.infer.engine import _after_start, _host_sharding
     from sparda_jax.kernels.copy_engine import lane_ctas
 
@@ -232,17 +237,24 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
             return tuple((jnp.zeros((n, *BLOCK), jnp.bfloat16), jnp.zeros((n, *BLOCK), jnp.bfloat16))
                          for _ in range(layers))
 
-        def make(kind, c, th, resident, grp=1):
+        def make(kind, c, th, resident, grp=1, how="lanes"):
             split = lane_ctas(c, [jnp.zeros((1, *BLOCK), jnp.bfloat16)] * 2)
 
             def fn(caches, x, pools, srcs, dst, w):
                 def start(l, kv):
+                    if how == "one":  # K and V in one launch on lane 0, the whole quota
+                        return gather_blocks_start(pools, srcs[l], dst, kv, num_ctas=c, lane=0, threads=th, group=grp,
+                                                   resident=resident, implementation=implementation)
+                    if how == "dma":
+                        return gather_blocks_dma_start(pools, srcs[l], dst, kv, lane=0, implementation=implementation)
                     return tuple(gather_blocks_start(pools[j], srcs[l], dst, kv[j], num_ctas=split[j], lane=j,
                                                      threads=th, group=grp, resident=resident,
                                                      implementation=implementation)
                                  for j in range(2))
 
                 def wait(l, kv, after):
+                    if how != "lanes":
+                        return gather_blocks_wait(kv, srcs[l], dst, after, implementation=implementation)
                     return tuple(gather_blocks_wait(kv[j], srcs[l], dst, after, implementation=implementation)
                                  for j in range(2))
 
@@ -259,8 +271,12 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                 elif kind == "serial":
                     x = work(x, w, reps)
                     for l in range(layers):
-                        caches[l] = gather_blocks(pools, srcs[l], dst, caches[l], num_ctas=c, threads=th,
-                                                  group=grp, implementation=implementation)
+                        if how == "dma":  # the same copy, waited for before the work
+                            kv = start(l, caches[l])
+                            caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x))
+                        else:
+                            caches[l] = gather_blocks(pools, srcs[l], dst, caches[l], num_ctas=c, threads=th,
+                                                      group=grp, implementation=implementation)
                         x = work(touch(x, caches[l]), w, reps)
                 else:  # pipelined: copy l runs beside work layer l (the engine's layer l+1 copy during layer l)
                     caches[0] = start(0, caches[0])
@@ -288,23 +304,25 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
             return t
 
         compute = timed(make("compute", 1, 256, True), check=False)
-        configs = ([(c, 256, r, 1) for c in ctas for r in (True, False)]
-                   + [(c, th, True, 1) for c in ctas for th in threads if th != 256]
-                   + [(c, 256, True, g) for c in ctas for g in groups if g != 1])
-        for c, th, resident, grp in configs:
+        configs = ([(c, 256, r, 1, "lanes") for c in ctas for r in (True, False) if "lanes" in starts]
+                   + [(c, th, True, 1, "lanes") for c in ctas for th in threads if th != 256 and "lanes" in starts]
+                   + [(c, 256, True, g, "lanes") for c in ctas for g in groups if g != 1 and "lanes" in starts]
+                   + [(c, 256, True, 1, "one") for c in ctas if "one" in starts]
+                   + ([(0, 0, False, 1, "dma")] if "dma" in starts else []))
+        for c, th, resident, grp, how in configs:
             row = {"blocks_per_layer": n, "mib_per_layer": n * 2 * int(np.prod(BLOCK)) * 2 / 2**20, "layers": layers,
-                   "ctas": c, "threads": th, "resident": resident, "group": grp, "compute_s": compute,
+                   "start": how, "ctas": c, "threads": th, "resident": resident, "group": grp, "compute_s": compute,
                    "work_reps": reps}
             try:
                 for kind in ("copy", "serial", "pipelined"):
-                    row[f"{kind}_s"] = timed(make(kind, c, th, resident, grp))
+                    row[f"{kind}_s"] = timed(make(kind, c, th, resident, grp, how))
                 row["copy_gb_per_s"] = layers * n * 2 * int(np.prod(BLOCK)) * 2 / row["copy_s"] / 1e9
                 row["pipelined_vs_max"] = row["pipelined_s"] / max(compute, row["copy_s"])
                 row["pipelined_vs_serial"] = row["pipelined_s"] / row["serial_s"]
             except Exception as e:  # noqa: BLE001 - record, go on
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            log(f"[pipeline] {n} blocks, {c} CTAs x {th} threads, group {grp}, resident {resident}: " +
+            log(f"[pipeline] {n} blocks, {how}, {c} CTAs x {th} threads, group {grp}, resident {resident}: " +
                 (f"compute {compute * 1e3:.2f} copy {row['copy_s'] * 1e3:.2f} serial {row['serial_s'] * 1e3:.2f} "
                  f"pipelined {row['pipelined_s'] * 1e3:.2f} ms, / max {row['pipelined_vs_max']:.2f}"
                  if "error" not in row else row["error"]))
@@ -313,10 +331,11 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
 
 
 def pipeline_table(result: dict) -> str:
-    lines = ["| blocks/layer | CTAs | threads | group | resident | compute ms | copy ms (GB/s) | serial ms | "
-             "pipelined ms | pipelined / max | pipelined / serial |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| blocks/layer | start | CTAs | threads | group | resident | compute ms | copy ms (GB/s) | serial ms | "
+             "pipelined ms | pipelined / max | pipelined / serial |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        head = f"| {r['blocks_per_layer']} | {r['ctas']} | {r['threads']} | {r.get('group', 1)} | {r['resident']} |"
+        head = (f"| {r['blocks_per_layer']} | {r.get('start', 'lanes')} | {r['ctas']} | {r['threads']} | "
+                f"{r.get('group', 1)} | {r['resident']} |")
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} |")
             continue

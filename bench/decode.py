@@ -144,13 +144,15 @@ def _row_inputs(ctx: _Ctx, context: int, batch: int, n_rep: int, n: int) -> list
     return inputs
 
 
-def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False, copy_group: int = 1):
+def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False, copy_group: int = 1,
+             copy_start: str = "lanes"):
     """step(tokens, positions, state) -> (logits, state, stats) of the row's mode and copy settings."""
     kw = kwargs_for(ctx.extras, mode)
 
     def step(tok, pos, st):
         return engine_decode_step(ctx.params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
-                                  num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group, **kw)
+                                  num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group,
+                                  copy_start=copy_start, **kw)
     return step
 
 
@@ -170,14 +172,14 @@ def _back_to_back(call, carry, lo: int, hi: int):
 def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int, warmup: int,
                   reuse_fraction: float = 0.0, num_ctas: int | None = None, copy_impl: str | None = None,
                   check: bool = True, profile_steps: int = 0, profile_dir=None, overlap: bool = False,
-                  copy_group: int = 1) -> dict:
+                  copy_group: int = 1, copy_start: str = "lanes") -> dict:
     """overlap: also time the row's steps without their data movement and the data movement
     alone (`_overlap`), after the row (rec["overlap"])."""
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
            "variant": "random" if n_rep == 0 else f"reuse={n_rep / batch:.2f}",
-           "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group}
+           "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group, "copy_start": copy_start}
     feas = feasibility(full, mode, batch=batch, context=context, weights=ctx.weights_full)
     rec["feasibility"] = {k: feas[k] for k in ("fits", "reason", "host_need_bytes", "device_need_bytes",
                                                "host_bytes", "device_limit_bytes", "layers")}
@@ -187,7 +189,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     t_build = time.perf_counter()
     state = _build(ctx, mode, context, batch)
     rec["state_build_seconds"] = time.perf_counter() - t_build
-    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group)
+    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group, copy_start=copy_start)
     inputs = _row_inputs(ctx, context, batch, n_rep, 1 + warmup + 2 * steps + profile_steps)
 
     t0 = time.perf_counter()
@@ -258,7 +260,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         bytes_copied_per_step=copied * bb, bytes_copied_per_step_scaled=copied * bb * per_layer_copy_scale)
     if overlap and mode in OFFLOAD_MODES:
         rec["overlap"] = _overlap(ctx, mode, context, batch, inputs, rec, steps=steps, warmup=warmup,
-                                  copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group)
+                                  copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group,
+                                  copy_start=copy_start)
     return rec
 
 
@@ -284,7 +287,7 @@ def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
 
 
 def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, *, steps: int, warmup: int,
-             copy_impl, num_ctas, copy_group: int = 1) -> dict:
+             copy_impl, num_ctas, copy_group: int = 1, copy_start: str = "lanes") -> dict:
     """The issue's overlap measurement, in the same run as the row: the row's steps with every
     copy disabled (`skip_copies`: same launches, bookkeeping and inputs, no data moved) and the
     row's data movement alone (`_copy_only`: its copied blocks per step and layer, random
@@ -293,13 +296,13 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
     cfg = ctx.cfg
     state = _build(ctx, mode, context, batch)
     advance = _advancer(_stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, skip_copies=True,
-                                 copy_group=copy_group), inputs)
+                                 copy_group=copy_group, copy_start=copy_start), inputs)
     state = _back_to_back(advance, state, 0, 1 + warmup)[1]  # compile, cold cache, warm-up
     compute, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
     skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
 
     plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas,
-                       copy_group=copy_group)
+                       copy_group=copy_group, copy_start=copy_start)
     host = state.host
     cache_l = dict(state.cache[0])
     del state
@@ -383,7 +386,8 @@ def _claims(r):
         if "overlap" in x:
             v = x["overlap"]["ratio_to_max"]
             out.append({"claim": f"decode T={x['T']} B={x['batch']} {x['variant']}: decode step with prefetch / "
-                                 "max(compute alone, copy alone)", "value": v, "target": OVERLAP_TARGET, "met": bool(v <= OVERLAP_TARGET),
+                                 "max(compute alone, copy alone)", "value": v, "target": OVERLAP_TARGET,
+                        "met": bool(v <= OVERLAP_TARGET),
                         "target_note": f"<= {OVERLAP_TARGET}", "overlap": x["overlap"]})
     best = {}
     for t in sorted({x["T"] for x in rows}):
@@ -402,12 +406,13 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
                  with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, copy_group: int = 1,
-                 seed: int = 0, out=None, log=None) -> dict:
+                 copy_start: str = "lanes", seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
     (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the rows (random
     traffic and reuse variants) of sparda and sparda_sync among the claims' pairs, also time the
-    step without its copies and the copies alone (rec["overlap"], `_overlap`), and claim sparda's step <= 1.1 x the larger."""
+    step without its copies and the copies alone (rec["overlap"], `_overlap`), and claim
+    sparda's step <= 1.1 x the larger."""
     log = log or _log_default
     modes = tuple(modes)
     budget = Budget(budget_s)
@@ -429,7 +434,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     ctx = _Ctx(preset, layers, modes, seed, log)
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
-                              copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group)
+                              copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
+                              copy_start=copy_start)
     if real_model:
         try:
             r["real_model"] = real_miss_rate(real_model, log=log)
@@ -453,7 +459,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             if overlap and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
                 prof["overlap"] = True
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
-                                check=check, copy_group=copy_group, **prof, **kw)
+                                check=check, copy_group=copy_group, copy_start=copy_start, **prof, **kw)
             _floors(rec, ctx, ceil, h2d)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
             rec = {"mode": mode, "T": t, "batch": b, "status": unavailable(e),
@@ -744,6 +750,7 @@ def main(args) -> int:
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
-                         profile_steps=args.profile_steps, overlap=args.overlap, copy_group=args.copy_group, out=out)
+                         profile_steps=args.profile_steps, overlap=args.overlap, copy_group=args.copy_group,
+                         copy_start=args.copy_start, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

@@ -41,8 +41,9 @@ from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
 
-from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks, gather_blocks_start,
-                                            gather_blocks_wait, lane_ctas, paper_num_ctas, scatter_blocks)
+from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
+                                            gather_blocks_start, gather_blocks_wait, lane_ctas, paper_num_ctas,
+                                            scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -163,6 +164,8 @@ class _EnginePlan:
     num_ctas: int
     attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
     copy_group: int = COPY_GROUP  # tasks a copy CTA moves as one range (`gather_blocks`' group)
+    # asynchronous starts: "lanes" one per payload on its own lane, "one" every payload in one start
+    copy_start: str = "lanes"
     # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
     skip_copies: bool = False
 
@@ -202,7 +205,10 @@ def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: b
     names = list(cache_l)
     flats = [cache_l[n].reshape(-1, *cache_l[n].shape[3:]) for n in names]
     pools = [_pool(plan, host[n], layer) for n in names]
-    if start:
+    if start and plan.copy_start == "one":
+        out = gather_blocks_start(tuple(pools), src, dst, tuple(flats), num_ctas=plan.num_ctas, lane=0,
+                                  group=plan.copy_group, implementation=plan.copy_impl)
+    elif start:
         out = [gather_blocks_start(p, src, dst, f, num_ctas=c, lane=j, group=plan.copy_group,
                                    implementation=plan.copy_impl)
                for j, (p, f, c) in enumerate(zip(pools, flats, lane_ctas(plan.num_ctas, flats)))]
@@ -226,6 +232,11 @@ def _after_start(started: dict, x):
 def _wait_blocks(plan, cache: dict, src, dst, after) -> dict:
     """The caches of a copy started with (src, dst) once it is complete; `after` orders the
     wait after it."""
+    if plan.copy_start == "one":  # one start of every payload: one wait
+        names = list(cache)
+        out = gather_blocks_wait(tuple(cache[n].reshape(-1, *cache[n].shape[3:]) for n in names), src, dst, after,
+                                 implementation=plan.copy_impl)
+        return {n: o.reshape(cache[n].shape) for n, o in zip(names, out)}
     return {n: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), src, dst, after,
                                   implementation=plan.copy_impl).reshape(c.shape) for n, c in cache.items()}
 
@@ -439,7 +450,7 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
                        num_ctas: int | str | None = None, attention_impl: str | None = None,
-                       skip_copies: bool = False, copy_group: int = COPY_GROUP):
+                       skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes"):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
@@ -454,7 +465,9 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     kernels launch and the block table and slots are assigned as usual (stats count the copies
     that would have run), but no block moves, so the cache is stale and the logits are wrong;
     the step's time is that of everything but the data movement. The write-back of completed
-    blocks runs as usual. copy_group: tasks a copy CTA moves as one range (`gather_blocks`)."""
+    blocks runs as usual. copy_group: tasks a copy CTA moves as one range (`gather_blocks`).
+    copy_start ("sparda" with the CUDA copy): "lanes" starts K and V as copies of their own on two
+    side streams, "one" starts them as one copy (one launch, the whole CTA quota)."""
     sel = selector_of(mode)
     if mode in RESIDENT_MODES:
         logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
@@ -468,13 +481,14 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
                          "(local_blocks * block_size >= kernel_size)")
     plan = decode_plan(config, mode, state.cache, dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
-                       attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group)
+                       attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,
+                       copy_start=copy_start)
     return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
 
 
 def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,
                 copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
-                skip_copies: bool = False, copy_group: int = COPY_GROUP) -> _EnginePlan:
+                skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes") -> _EnginePlan:
     """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
     state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
@@ -487,8 +501,10 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
         c = cache[0]["k"]
         num_ctas = autotune_num_ctas(int(c.shape[0] * c.shape[1] * c.shape[2]), tuple(c.shape[3:]), str(c.dtype)) \
             if copy_impl == "cuda" else paper_num_ctas(batch)
+    if copy_start not in ("lanes", "one"):
+        raise ValueError(f"copy_start must be 'lanes' or 'one', got {copy_start!r}")
     return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, copy_group,
-                       skip_copies)
+                       copy_start, skip_copies)
 
 
 def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,

@@ -42,14 +42,15 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "COPY_THREADS", "COPY_GROUP"]
+           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "COPY_THREADS", "COPY_GROUP"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
 HOST_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 # XLA custom-call target -> symbol in the library
 TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": "SpardaGatherStart",
-           "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks"}
+           "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks",
+           "sparda_gather_dma_start": "SpardaGatherDmaStart"}
 # Threads per copy CTA, each with 4 16-byte loads in flight (gather_blocks.cu's kUnroll): 256
 # threads keep 16 KB of reads in flight per CTA, so 16 CTAs reach the bulk PCIe rate
 # (bench/results/decode_overlap.json: 49 of 52 GB/s); more threads per CTA carry the same bytes
@@ -314,6 +315,21 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
     out = _copy_call("sparda_gather_start", src, dst, pools, caches,
                      num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident),
                      lane=np.int32(lane), threads=np.int32(threads), group=np.int32(group))
+    return out[0] if one else out
+
+
+def gather_blocks_dma_start(pool, src, dst, cache, *, lane: int = 0, implementation: str | None = None):
+    """EXPERIMENT, not used by the engine: `gather_blocks_start` through the DMA copy engines
+    (cudaMemcpyBatchAsync, one copy per block and payload; no SM is used). Its task lists must be
+    on the host first, so the start waits for XLA's stream to produce them (a host-side sync).
+    Completed by `gather_blocks_wait`."""
+    implementation = _resolve(implementation)
+    if implementation == "xla":
+        return gather_blocks_reference(pool, src, dst, cache)
+    pools, caches, one = _payloads(pool, cache, src, dst)
+    _register(implementation)
+    out = _copy_call("sparda_gather_dma_start", src, dst, pools, caches, num_ctas=np.int32(1),
+                     block_bytes=_block_bytes(caches), lane=np.int32(lane))
     return out[0] if one else out
 
 

@@ -333,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--prefill-only", action="store_true", help="attention: skip the decode cases")
     bn.add_argument("--copy-group", type=int, default=1,
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
+    bn.add_argument("--copy-start", choices=["lanes", "one"], default="lanes",
+                    help="decode, sparda: K and V started as copies on two lanes, or as one copy")
     bn.add_argument("--pipeline-only", action="store_true",
                     help="copy: only the prefetch-pattern sweep (bench_pipeline: CTAs, threads, resident)")
     bn.add_argument("--budget-s", type=float,

@@ -36,16 +36,19 @@ def test_copy_pipeline_bench_on_cpu():
     pytest.importorskip("sparda_jax.kernels.copy_engine").build_host_library()
     from sparda_jax.bench.copy import bench_pipeline, pipeline_table
 
-    r = bench_pipeline(layers=2, blocks=(8,), ctas=(2,), threads=(256, 64), groups=(1, 3), compute_ms=0.0, pool_mib=1,
-                       dims=(64, 128), repeats=1, implementation="host_ffi", log=lambda m: None)
+    r = bench_pipeline(layers=2, blocks=(8,), ctas=(2,), threads=(256, 64), groups=(1, 3),
+                       starts=("lanes", "one", "dma"), compute_ms=0.0, pool_mib=1, dims=(64, 128), repeats=1, implementation="host_ffi",
+                       log=lambda m: None)
     rows = r["rows"]
-    assert [(x["ctas"], x["threads"], x["resident"], x["group"]) for x in rows] == [
-        (2, 256, True, 1), (2, 256, False, 1), (2, 64, True, 1), (2, 256, True, 3)]
+    assert [(x["start"], x["ctas"], x["threads"], x["resident"], x["group"]) for x in rows] == [
+        ("lanes", 2, 256, True, 1), ("lanes", 2, 256, False, 1), ("lanes", 2, 64, True, 1), ("lanes", 2, 256, True, 3),
+        ("one", 2, 256, True, 1), ("dma", 0, 0, False, 1)]
     for x in rows:
         assert "error" not in x, x
         assert x["mib_per_layer"] == 8 * 2 * 16 / 1024 and x["work_reps"] == 1
         assert x["pipelined_vs_max"] == x["pipelined_s"] / max(x["compute_s"], x["copy_s"]) > 0
-    assert "| 8 | 2 | 64 | 1 | True |" in pipeline_table(r)
+    tab = pipeline_table(r)
+    assert "| 8 | lanes | 2 | 64 | 1 | True |" in tab and "| 8 | dma | 0 | 0 | 1 | False |" in tab
 
 
 def _tiny_kw(tmp_path, name):

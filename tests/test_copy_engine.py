@@ -131,6 +131,21 @@ def test_cuda_gather_equals_reference():
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
 
 
+@pytest.mark.gpu
+def test_cuda_dma_start_equals_reference():
+    """The DMA-engine start (an experiment for bench_pipeline): K and V payloads, -1 tasks
+    skipped, completed by the usual wait."""
+    from sparda_jax.kernels.copy_engine import gather_blocks_dma_start
+
+    pool, src, dst, cache = _case(5, n_pool=300, n_slots=64, n=48)
+    pools = (_on_host(pool), _on_host(pool[::-1]))
+    f = jax.jit(lambda p, s, d, c: gather_blocks_wait(gather_blocks_dma_start(p, s, d, c, implementation="cuda"),
+                                                      s, d, s, implementation="cuda"))
+    got = f(pools, src, dst, (cache, cache + 1))
+    for g, p, c in zip(got, (pool, pool[::-1]), (cache, cache + 1)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(gather_blocks_reference(p, src, dst, c)))
+
+
 def _on_host(pool):
     dev = jax.devices()[0]
     return jax.device_put(pool, SingleDeviceSharding(dev, memory_kind="pinned_host"))
@@ -313,4 +328,17 @@ def test_start_and_wait_carry_no_effect():
                                                        s, d, jnp.ones(2), implementation="host_ffi"))
     np.testing.assert_array_equal(np.asarray(f(pool, src, dst, cache)),
                                   np.asarray(gather_blocks_reference(pool, src, dst, cache)))
+    assert host_copies_in_flight() == 0
+
+
+@needs_cxx
+def test_host_ffi_dma_start_twin_is_the_gather():
+    """The DMA start's CPU twin: the same copy as the start, completed by the same wait."""
+    from sparda_jax.kernels.copy_engine import gather_blocks_dma_start
+
+    pool, src, dst, cache = _case(6, dtype=jnp.float32)
+    f = jax.jit(lambda p, s, d, c: gather_blocks_wait(gather_blocks_dma_start(p, s, d, c, implementation="host_ffi"),
+                                                      s, d, s, implementation="host_ffi"))
+    got = f(pool, src, dst, cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
     assert host_copies_in_flight() == 0

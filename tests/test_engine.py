@@ -39,7 +39,8 @@ def setup_nosa():
     return _make(TINY_NOSA)
 
 
-def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None):
+def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None,
+         copy_start="lanes"):
     params, forecast, ig = setup
     b, t0 = 2, 70
     tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
@@ -59,7 +60,7 @@ def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, con
             logits, st = decode_step(params, tok, pos, st, config, mode=selector_of(mode), **kw)
         else:
             logits, st, stats = engine_decode_step(params, tok, pos, st, config, mode=mode, reuse=reuse,
-                                                   copy_impl=copy_impl, **kw)
+                                                   copy_impl=copy_impl, copy_start=copy_start, **kw)
             copied += int(stats["copied_blocks"])
             selected += int(stats["selected_blocks"])
         out.append(logits)
@@ -77,11 +78,12 @@ def test_offload_equals_resident(setup, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["sparse", "sparda"])
-def test_cuda_copy_engine_equals_reference_copies(setup, mode):
-    """On the GPU: the UVA gather (asynchronous start/wait in sparda) and the in-place
-    write-back of completed blocks give the reference copy path's logits and counts."""
-    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda")
+@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
+def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start):
+    """On the GPU: the UVA gather (asynchronous start/wait in sparda, K and V on two lanes or
+    in one start) and the in-place write-back of completed blocks give the reference copy
+    path's logits and counts."""
+    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", copy_start=copy_start)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     np.testing.assert_allclose(cuda, ref, atol=2e-5)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
@@ -92,14 +94,14 @@ needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode", ["sparse", "sparda"])
-def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
+@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
+def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
     """The CUDA path's custom calls run by their CPU twin (kernels/copy/gather_blocks_host.cc):
     what XLA does to the start/wait pairs inside the engine's jit is checked here, in CI. Every
     start's buffer must reach its own wait (none left in flight after a step)."""
     from sparda_jax.kernels.copy_engine import host_copies_in_flight
 
-    ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30)
+    ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30, copy_start=copy_start)
     assert host_copies_in_flight() == 0
     ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
     np.testing.assert_allclose(ffi, ref, atol=2e-5)

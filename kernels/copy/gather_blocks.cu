@@ -13,6 +13,7 @@
 //                        (a stream wait on a counter the CTAs raise): Hopper GEMMs are persistent
 //                        and hold every SM to their end, so a copy launched a moment after one
 //                        would wait for it; resident first, the copy keeps its SMs (the paper's quota)
+//   SpardaGatherDmaStart the start through cudaMemcpyBatchAsync (DMA engines, no SM; an experiment)
 //   SpardaGatherWait     XLA's stream waits for the copy started into this cache; takes src/dst
 //                        (kept alive until the copy is done) and `after` (any array that must be
 //                        computed before the wait, which pins the wait's place in XLA's schedule)
@@ -345,6 +346,90 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .Attr<int32_t>("lane")
                                   .Attr<int32_t>("threads")
                                   .Attr<int32_t>("group"));
+
+// The same start through the DMA copy engines instead of SMs (an experiment: does a copy that holds
+// no SM overlap with the layer's kernels?). cudaMemcpyBatchAsync takes host arrays of addresses,
+// so the task lists come to the host first: the handler waits for XLA's stream to produce them
+// (a host-side synchronisation per start, which stalls the host's dispatch; measured alone in
+// bench_pipeline, not used by the engine). One copy per block and payload, on the lane's stream;
+// the wait is SpardaGatherWait's.
+static ffi::Error GatherDmaStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                     ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
+                                     ffi::Span<const int64_t> block_bytes, int32_t lane_id) {
+  (void)num_ctas;
+  CopyPayloads p;
+  ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e0.failure()) return e0;
+  if (lane_id < 0 || lane_id >= kLanes) {
+    return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kLanes - 1));
+  }
+  if ((e0 = alias_or_copy(stream, p)).failure()) return e0;
+  const size_t n = src.element_count();
+  std::vector<int32_t> hs(n), hd(n);
+  cudaError_t err;
+  if (n > 0) {
+    if ((err = cudaMemcpyAsync(hs.data(), src.typed_data(), n * 4, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+        (err = cudaMemcpyAsync(hd.data(), dst.typed_data(), n * 4, cudaMemcpyDeviceToHost, stream)) != cudaSuccess ||
+        (err = cudaStreamSynchronize(stream)) != cudaSuccess) {
+      return cuda_error("task lists to the host", err);
+    }
+  }
+  std::vector<void*> dsts;
+  std::vector<const void*> srcs;
+  std::vector<size_t> sizes;
+  for (size_t t = 0; t < n; ++t) {
+    if (hs[t] < 0 || hs[t] >= p.n_from || hd[t] < 0 || hd[t] >= p.n_to) continue;
+    for (int j = 0; j < p.n; ++j) {
+      srcs.push_back(static_cast<const char*>(p.from[j]) + static_cast<int64_t>(hs[t]) * p.block_bytes[j]);
+      dsts.push_back(static_cast<char*>(p.to[j]) + static_cast<int64_t>(hd[t]) * p.block_bytes[j]);
+      sizes.push_back(static_cast<size_t>(p.block_bytes[j]));
+    }
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  SideStream* s = nullptr;
+  if ((err = side_stream(&s, lane_id)) != cudaSuccess) return cuda_error("side stream", err);
+  Lane& lane = s->lanes[lane_id];
+  const auto key = reinterpret_cast<uintptr_t>(p.to[0]);
+  if (s->in_flight.count(key)) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+  }
+  cudaEvent_t ready = nullptr, done = nullptr;
+  if ((err = take_event(*s, &ready)) != cudaSuccess || (err = take_event(*s, &done)) != cudaSuccess) {
+    return cuda_error("event", err);
+  }
+  if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
+  s->spare.push_back(ready);
+  if (!sizes.empty()) {
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    attr.srcLocHint.type = cudaMemLocationTypeHost;
+    int dev = 0;
+    cudaGetDevice(&dev);
+    attr.dstLocHint.type = cudaMemLocationTypeDevice;
+    attr.dstLocHint.id = dev;
+    attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    size_t idx = 0;
+    if ((err = cudaMemcpyBatchAsync(dsts.data(), srcs.data(), sizes.data(), sizes.size(), &attr, &idx, 1,
+                                    lane.stream)) != cudaSuccess) {
+      return cuda_error("cudaMemcpyBatchAsync", err);
+    }
+  }
+  if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  s->in_flight[key] = done;
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherDmaStart, GatherDmaStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
+                                  .RemainingArgs()                // pools x n, caches x n (aliased)
+                                  .RemainingRets()                // caches x n, being written
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("lane"));
 
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {

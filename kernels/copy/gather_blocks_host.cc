@@ -113,6 +113,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
                                   .Attr<int32_t>("threads")
                                   .Attr<int32_t>("group"));
 
+// The DMA start's twin: the same copy as the start (the CPU has one kind of copy)
+static ffi::Error GatherDmaStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
+                                     ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
+                                     int32_t lane) {
+  return GatherStartImpl(src, dst, args, rets, num_ctas, block_bytes, 0, lane, 256, 1);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherDmaStartHost, GatherDmaStartImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
+                                  .RemainingArgs()                // pools x n, caches x n (aliased)
+                                  .RemainingRets()                // caches x n
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("lane"));
+
 static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                  ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src;

@@ -185,8 +185,7 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
 
 
 def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), threads=(256, 1024), groups=(1,),
-                   starts=("lanes",),
-                   compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
+                   starts=("lanes",), dependent: bool = True, compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
                    implementation: str = "cuda", log=None) -> dict:
     """The engine's prefetch pattern without the engine: does it hide the copy, and what does
     the copy cost the compute beside it? `layers` + 1 layers (layer 0 resident, no copy); layer
@@ -199,7 +198,9 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
     resident): compute alone, copies alone (start + wait per layer), serial (a synchronous gather
     then the work, per layer) and pipelined. `starts`: "lanes" (the engine's: one start per payload
     on its own lane), "one" (K and V in one start, one launch with the whole quota), "dma"
-    (`gather_blocks_dma_start`: the DMA engines). Every copy is checked against NumPy.
+    (`gather_blocks_dma_start`: the DMA engines). dependent: each start's task list depends on the
+    layer's input, as in the engine (runs before dfbc4ac had independent starts, which XLA may
+    issue early). Every copy is checked against NumPy.
     implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
     """
     from sparda_jax.infer.engine import _after_start, _host_sharding
@@ -241,21 +242,29 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
             split = lane_ctas(c, [jnp.zeros((1, *BLOCK), jnp.bfloat16)] * 2)
 
             def fn(caches, x, pools, srcs, dst, w):
-                def start(l, kv):
+                def tasks(l, x):
+                    # dependent: the start needs this layer's input, as the engine's Forecast selection
+                    # does (x never exceeds 1e30: the sources are unchanged), so XLA cannot issue it early
+                    return srcs[l] + (x[0, 0] > 1e30).astype(jnp.int32) if dependent else srcs[l]
+
+                live = {}  # each start's task list, kept alive by its wait (the side stream reads it)
+
+                def start(l, kv, x):
+                    sl = live[l] = tasks(l, x)
                     if how == "one":  # K and V in one launch on lane 0, the whole quota
-                        return gather_blocks_start(pools, srcs[l], dst, kv, num_ctas=c, lane=0, threads=th, group=grp,
+                        return gather_blocks_start(pools, sl, dst, kv, num_ctas=c, lane=0, threads=th, group=grp,
                                                    resident=resident, implementation=implementation)
                     if how == "dma":
-                        return gather_blocks_dma_start(pools, srcs[l], dst, kv, lane=0, implementation=implementation)
-                    return tuple(gather_blocks_start(pools[j], srcs[l], dst, kv[j], num_ctas=split[j], lane=j,
+                        return gather_blocks_dma_start(pools, sl, dst, kv, lane=0, implementation=implementation)
+                    return tuple(gather_blocks_start(pools[j], sl, dst, kv[j], num_ctas=split[j], lane=j,
                                                      threads=th, group=grp, resident=resident,
                                                      implementation=implementation)
                                  for j in range(2))
 
                 def wait(l, kv, after):
                     if how != "lanes":
-                        return gather_blocks_wait(kv, srcs[l], dst, after, implementation=implementation)
-                    return tuple(gather_blocks_wait(kv[j], srcs[l], dst, after, implementation=implementation)
+                        return gather_blocks_wait(kv, live[l], dst, after, implementation=implementation)
+                    return tuple(gather_blocks_wait(kv[j], live[l], dst, after, implementation=implementation)
                                  for j in range(2))
 
                 # work layer 0 is resident (no copy), as the engine's layer 0; copy l feeds work layer l + 1
@@ -266,24 +275,24 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                         x = work(touch(x, caches[l]), w, reps)
                 elif kind == "copy":
                     for l in range(layers):
-                        kv = start(l, caches[l])
+                        kv = start(l, caches[l], x)
                         caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x))
                 elif kind == "serial":
                     x = work(x, w, reps)
                     for l in range(layers):
                         if how == "dma":  # the same copy, waited for before the work
-                            kv = start(l, caches[l])
+                            kv = start(l, caches[l], x)
                             caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x))
                         else:
-                            caches[l] = gather_blocks(pools, srcs[l], dst, caches[l], num_ctas=c, threads=th,
+                            caches[l] = gather_blocks(pools, tasks(l, x), dst, caches[l], num_ctas=c, threads=th,
                                                       group=grp, implementation=implementation)
                         x = work(touch(x, caches[l]), w, reps)
                 else:  # pipelined: copy l runs beside work layer l (the engine's layer l+1 copy during layer l)
-                    caches[0] = start(0, caches[0])
+                    caches[0] = start(0, caches[0], x)
                     x = work(_after_start(dict(enumerate(caches[0])), x), w, reps)
                     for l in range(layers):
                         if l + 1 < layers:
-                            caches[l + 1] = start(l + 1, caches[l + 1])
+                            caches[l + 1] = start(l + 1, caches[l + 1], x)
                             x = _after_start(dict(enumerate(caches[l + 1])), x)
                         caches[l] = wait(l, caches[l], x)
                         x = work(touch(x, caches[l]), w, reps)
@@ -311,7 +320,7 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                    + ([(0, 0, False, 1, "dma")] if "dma" in starts else []))
         for c, th, resident, grp, how in configs:
             row = {"blocks_per_layer": n, "mib_per_layer": n * 2 * int(np.prod(BLOCK)) * 2 / 2**20, "layers": layers,
-                   "start": how, "ctas": c, "threads": th, "resident": resident, "group": grp, "compute_s": compute,
+                   "start": how, "dependent": dependent, "ctas": c, "threads": th, "resident": resident, "group": grp, "compute_s": compute,
                    "work_reps": reps}
             try:
                 for kind in ("copy", "serial", "pipelined"):

@@ -18,6 +18,18 @@ for stage in "$@"; do
     pipeline)    # bench: the prefetch pattern without the engine (bench/copy.py bench_pipeline): K/V copies of
                  # the next layer started beside skinny matmuls, per CTA count, threads per CTA, resident (~60 s)
       timeout 200 python3 -m sparda_jax.cli bench copy --pipeline-only --repeats 10 --out "$OUT/copy_pipeline.json" 2>&1 | tail -40 ;;
+    hlo-pipeline)  # where XLA's GPU scheduler puts the copy starts and waits: the optimized HLO (after
+                   # scheduling) of the prefetch microbenchmark's programs, one config, tarred (~40 s)
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*fn.*" \
+      timeout 150 python3 -c "
+from sparda_jax.bench.copy import bench_pipeline, pipeline_table
+print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), starts=('lanes', 'one'), repeats=3)))"
+      tar czf "$OUT/hlo_pipeline.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
+    decode-one)  # the claims' rows with K and V in one start (copy_start "one"), overlap timings included;
+                 # compare with decode-overlap's two-lane rows run in the same call
+      timeout 380 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 16 --modes sparda \
+        --reuse-fractions --real-miss-rate sparda=0.086 --overlap --budget-s 200 --repeats 16 --copy-start one \
+        --out "$OUT/decode_one.json" 2>&1 | tail -14 ;;
     decode-host) # the two SparDA systems at batch 16, random traffic and SmolLM2's miss rate, with each step's
                  # host dispatch time (host_dispatch_seconds): is a step bound by the host? (~120 s)
       timeout 240 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 16 --modes sparda sparda_sync \

@@ -50,7 +50,10 @@ __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plo
 # The kernels under test run last in each case: a fault that kills the process then loses only
 # them, and the JSON snapshot written after every variant keeps the rest.
 PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple")
-DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@s2n8", "mosaic_gpu@s3n4", "mosaic_gpu@s4n4")
+DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@split", "mosaic_gpu@s2n8", "mosaic_gpu@s3n4",
+                   "mosaic_gpu@s4n4")
+# "mosaic_gpu@split": the default decode kernel's pass over the blocks alone, without the XLA combine
+# of its splits (the combine's cost is mosaic_gpu's time less this one); checked after combining
 # the decode kernel as first measured (2 K/V buffers, 4 splits), today's default again
 DECODE_S2 = dict(stages=2, n_split=4)
 
@@ -339,14 +342,28 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
                                                pos1[:, 0].astype(jnp.int32), **kw)[:, None]
             looped = _looped(chosen, False)
             nbytes, rr = bytes_sel, r
+        elif name == "mosaic_gpu@split":
+            from sparda_jax.kernels.sparse_decode import combine_splits, sparse_decode_split_pass
+
+            def split(q1, k1, v1, ids1, pos1):
+                return sparse_decode_split_pass(q1[:, 0], k1, v1, ids1[:, :, 0].astype(jnp.int32),
+                                                pos1[:, 0].astype(jnp.int32))
+            looped = _looped(split, False)
+            nbytes, rr = bytes_sel, r
         elif name == "cudnn":
             looped = _looped(functools.partial(dense_attention, implementation="cudnn"), True)
             nbytes, rr = bytes_dense, r_dense
         else:
             out_rec[name] = {"status": f"unavailable: unknown decode variant {name!r}"}
             continue
-        rec = measure(lambda looped=looped: looped(q, k, v, ids, pos),
-                      lambda o, rr=rr: rel_check(o[0, :nc], rr, REL_ERR_BOUND), repeats=repeats, max_s=max_s)
+        if name == "mosaic_gpu@split":  # combine step 0's splits (untimed) for the check
+            def check(o, rr=rr):
+                out = combine_splits(o[0][0, :nc], o[1][0, :nc]).reshape(nc, 1, -1, rr.shape[-1])
+                return rel_check(out.astype(BF16), rr, REL_ERR_BOUND)
+        else:
+            def check(o, rr=rr):
+                return rel_check(o[0, :nc], rr, REL_ERR_BOUND)
+        rec = measure(lambda looped=looped: looped(q, k, v, ids, pos), check, repeats=repeats, max_s=max_s)
         rec["steps_per_call"] = steps
         if "seconds" in rec:
             s = rec["seconds"] / steps
@@ -372,7 +389,7 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
                     decode_batches=(16, 64), repeats: int = 3, variants=None, timed_queries: int = 2048,
                     decode_steps: int = 8, budget_s: float | None = 140.0, max_s: float = 3.0,
                     matmul_n: int = 8192, copy_mib: int = 2048, seed: int = 0, query_correlation: float = 0.0,
-                    decode: bool = True, out=None, log=None) -> dict:
+                    decode: bool = True, prefill: bool = True, out=None, log=None) -> dict:
     """Runs the prefill and decode cases; with `out`, the JSON is rewritten after every variant
     ("complete": false until the end) so a crash keeps what was measured."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
@@ -426,7 +443,7 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
         snapshot()
         log(f"[attention] {phase} T={t} B={b} done at {budget.elapsed():.0f} s")
 
-    for t in lengths:
+    for t in lengths if prefill else ():
         run("prefill", t, batch, prefill_case, variants=pv, timed_queries=timed_queries,
             query_correlation=query_correlation)
     for t in lengths if decode else ():
@@ -518,5 +535,6 @@ def main(args) -> int:
                         repeats=args.repeats, variants=args.variants, timed_queries=args.timed_queries or 2048,
                         decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
                         matmul_n=args.matmul_n, copy_mib=args.copy_mib,
-                        query_correlation=args.query_correlation, decode=not args.prefill_only, out=out)
+                        query_correlation=args.query_correlation, decode=not args.prefill_only,
+                        prefill=not args.decode_only, out=out)
     return plot_and_print(r, out, plot, table)

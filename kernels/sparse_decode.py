@@ -24,6 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 __all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
+           "sparse_decode_split_pass", "combine_splits",
            "paged_sparse_decode_attention_reference", "default_n_split", "DEFAULT_SPLITS", "DEFAULT_STAGES", "INTERPRET"]
 
 # Interpret mode (CPU): wgmma's A operand must come from SMEM and the accumulator cannot be
@@ -200,6 +201,13 @@ def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split
 
 
 def _decode(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
+    o, lse = _split_pass(q, k, v, ids, pos, slots, K, n_split, stages, interpret)
+    return combine_splits(o, lse).reshape(q.shape).astype(q.dtype)
+
+
+def _split_pass(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
+    """The kernel's pass over the blocks: per (sequence, KV head, split) the normalised partial
+    output o [B, K, n_split, G, D] f32 and its log-sum-exp lse [B, K, n_split, G] (log2)."""
     if n_split is None:
         n_split = default_n_split(ids.shape[-1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
@@ -209,12 +217,25 @@ def _decode(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     q_pad = jnp.zeros((B, K, GP, D), q.dtype).at[:, :, :G].set(q.reshape(B, K, G, D))
     n_valid = jnp.sum(ids >= 0, axis=-1).astype(jnp.int32)
     o, lse = sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, n_split=n_split, slots=slots, stages=stages, **kw)
-    o, lse = o[:, :, :, :G], lse[:, :, :, :G]
+    return o[:, :, :, :G], lse[:, :, :, :G]
+
+
+def sparse_decode_split_pass(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
+                             interpret=None):
+    """`sparse_decode_attention` without its combine (the benchmark times the two apart):
+    (o [B, K, n_split, G, D] f32, lse [B, K, n_split, G] f32, log2); `combine_splits(o, lse)`
+    then gives the attention [B, K, G, D]."""
+    _check(q, k, v, ids, pos)
+    return _split_pass(q, k, v, ids, pos, None, k.shape[2], n_split, stages, interpret)
+
+
+def combine_splits(o, lse):
+    """The splits' partial outputs o [B, K, S, G, D] with their log2-sum-exps lse [B, K, S, G]
+    -> the attention [B, K, G, D] f32 (an empty split, lse -inf, weighs 0)."""
     m = jnp.max(lse, axis=2, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     w = jnp.exp2(lse - m)                                   # 0 for empty splits
-    out = jnp.sum(w[..., None] * o, axis=2) / jnp.maximum(jnp.sum(w, axis=2), 1e-30)[..., None]
-    return out.reshape(B, H, D).astype(q.dtype)
+    return jnp.sum(w[..., None] * o, axis=2) / jnp.maximum(jnp.sum(w, axis=2), 1e-30)[..., None]
 
 
 def _check(q, k, v, ids, pos):

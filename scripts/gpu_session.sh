@@ -37,6 +37,10 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
     attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also other buffer and split
                  # counts, mosaic_gpu@s<S>n<N>); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;
+    attention-split)  # the decode kernel's split pass alone vs the whole kernel (split pass + XLA combine),
+                      # batch 16 and 64, 32K and 128K: what the combine costs (~60 s)
+      timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --lengths 32768 131072 \
+        --variants mosaic_gpu mosaic_gpu@split --out "$OUT/attention_split.json" 2>&1 | tail -12 ;;
     attention-rho)  # prefill kernels vs cuDNN on selections as alike between neighbours as real ones
                     # (rho 0.99: SmolLM2's tile union, eval/results/tile_union_smollm2.json)
       timeout 200 python3 -m sparda_jax.cli bench attention --prefill-only --query-correlation 0.99 \

@@ -331,6 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill: embedding rows AR(1) with this rho, tokens counting up through them, so the "
                          "inputs are alike along positions as on real text (0: random tokens; in [0, 1))")
     bn.add_argument("--prefill-only", action="store_true", help="attention: skip the decode cases")
+    bn.add_argument("--decode-only", action="store_true", help="attention: skip the prefill cases")
     bn.add_argument("--copy-group", type=int, default=1,
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
     bn.add_argument("--copy-start", choices=["lanes", "one"], default="lanes",

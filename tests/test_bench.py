@@ -63,7 +63,8 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
 
     from sparda_jax.bench.attention import bench_attention, plot, table
 
-    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@s2"),
+    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@s2",
+                                          "mosaic_gpu@split"),
                         timed_queries=256,
                         **_tiny_kw(tmp_path, "attention"))
     assert r["complete"] and json.loads((tmp_path / "attention.json").read_text())["complete"]
@@ -80,6 +81,7 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     assert dx["status"] == "ok" and dx["check"]["passed"] and dx["gb_per_s"] > 0 and d["steps"] == 2
     assert dx["bytes_per_step"] == d["bytes_selected_per_step"] > 0
     assert d["variants"]["mosaic_gpu@s2"]["status"].startswith("unavailable") and d["best_sparse"] == "xla"
+    assert d["variants"]["mosaic_gpu@split"]["status"].startswith("unavailable")  # never a best: not a whole attention
     assert len(r["claims"]) == 2 and {"value", "target", "met"} <= set(r["claims"][0])
     assert "| prefill | 512 | 2 | xla* |" in table(r)
     out = plot(tmp_path / "attention.json")

@@ -22,6 +22,16 @@ EVAL_MODES = ("dense", "sparse", "infinigen", "sparda")  # the eval tables' colu
 EVAL_LENGTHS = (1024, 2048, 4096, 8192)  # SmolLM2: 1K..8K; the tasks suite caps the last at what fits
 
 
+def _copy_group(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 8:  # kMaxGroup of kernels/copy/copy_tasks.h
+        raise argparse.ArgumentTypeError(f"a copy group is an integer in 1..8, got {s!r}")
+    return n
+
+
 def _cta_count(s: str):
     if s == "auto":
         return s
@@ -332,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "inputs are alike along positions as on real text (0: random tokens; in [0, 1))")
     bn.add_argument("--prefill-only", action="store_true", help="attention: skip the decode cases")
     bn.add_argument("--decode-only", action="store_true", help="attention: skip the prefill cases")
-    bn.add_argument("--copy-group", type=int, default=1,
+    bn.add_argument("--copy-group", type=_copy_group, default=1,
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
     bn.add_argument("--copy-start", choices=["lanes", "one"], default="lanes",
                     help="decode, sparda: K and V started as copies on two lanes, or as one copy")

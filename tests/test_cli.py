@@ -46,3 +46,16 @@ def test_cta_counts_are_positive_integers_or_auto(capsys):
         assert "a CTA count is a positive integer or 'auto'" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="the sweep adds the autotuned choice"):
         main(["bench", "cta", "--ctas", "16", "auto"])
+
+
+def test_copy_options_are_checked_before_any_work(capsys):
+    import pytest
+
+    from sparda_jax.cli import build_parser
+
+    a = build_parser().parse_args(["bench", "decode", "--copy-group", "4", "--copy-start", "one", "--overlap"])
+    assert (a.copy_group, a.copy_start, a.overlap) == (4, "one", True)
+    for bad in (["--copy-group", "0"], ["--copy-group", "9"], ["--copy-start", "two"]):
+        with pytest.raises(SystemExit):
+            main(["bench", "decode", *bad])
+    assert "a copy group is an integer in 1..8" in capsys.readouterr().err

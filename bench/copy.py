@@ -31,7 +31,7 @@ import numpy as np
 from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.envinfo import environment
-from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_dma_start, gather_blocks_start,
+from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_dma_start, gather_blocks_start, mark,
                                             gather_blocks_wait, scatter_blocks, scatter_blocks_reference)
 
 __all__ = ["bench_copy"]
@@ -185,7 +185,7 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
 
 
 def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), threads=(256, 1024), groups=(1,),
-                   starts=("lanes",), dependent: bool = True, compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
+                   starts=("lanes",), dependent: bool = True, timeline: bool = False, compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
                    implementation: str = "cuda", log=None) -> dict:
     """The engine's prefetch pattern without the engine: does it hide the copy, and what does
     the copy cost the compute beside it? `layers` + 1 layers (layer 0 resident, no copy); layer
@@ -200,7 +200,8 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
     on its own lane), "one" (K and V in one start, one launch with the whole quota), "dma"
     (`gather_blocks_dma_start`: the DMA engines). dependent: each start's task list depends on the
     layer's input, as in the engine (runs before dfbc4ac had independent starts, which XLA may
-    issue early). Every copy is checked against NumPy.
+    issue early). timeline (CUDA): also one traced pipelined run per row (`_timeline`: when the
+    copies and the work layers ran). Every copy is checked against NumPy.
     implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
     """
     from sparda_jax.infer.engine import _after_start, _host_sharding
@@ -238,7 +239,7 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
             return tuple((jnp.zeros((n, *BLOCK), jnp.bfloat16), jnp.zeros((n, *BLOCK), jnp.bfloat16))
                          for _ in range(layers))
 
-        def make(kind, c, th, resident, grp=1, how="lanes"):
+        def make(kind, c, th, resident, grp=1, how="lanes", marks=False):
             split = lane_ctas(c, [jnp.zeros((1, *BLOCK), jnp.bfloat16)] * 2)
 
             def fn(caches, x, pools, srcs, dst, w):
@@ -288,14 +289,18 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                                                       group=grp, implementation=implementation)
                         x = work(touch(x, caches[l]), w, reps)
                 else:  # pipelined: copy l runs beside work layer l (the engine's layer l+1 copy during layer l)
+                    # marks: timing events around each work layer (ids 2i, 2i + 1) for the timeline
+                    mk = (lambda x, i: mark(x, i, implementation=implementation)) if marks else (lambda x, i: x)
                     caches[0] = start(0, caches[0], x)
-                    x = work(_after_start(dict(enumerate(caches[0])), x), w, reps)
+                    x = mk(_after_start(dict(enumerate(caches[0])), x), 0)
+                    x = mk(work(x, w, reps), 1)
                     for l in range(layers):
                         if l + 1 < layers:
                             caches[l + 1] = start(l + 1, caches[l + 1], x)
                             x = _after_start(dict(enumerate(caches[l + 1])), x)
                         caches[l] = wait(l, caches[l], x)
-                        x = work(touch(x, caches[l]), w, reps)
+                        x = mk(touch(x, caches[l]), 2 * l + 2)
+                        x = mk(work(x, w, reps), 2 * l + 3)
                 return tuple(caches), x
             return jax.jit(fn, donate_argnums=0)
 
@@ -325,6 +330,8 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
             try:
                 for kind in ("copy", "serial", "pipelined"):
                     row[f"{kind}_s"] = timed(make(kind, c, th, resident, grp, how))
+                if timeline and implementation == "cuda":
+                    row["timeline"] = _timeline(lambda: timed(make("pipelined", c, th, resident, grp, how, True)))
                 row["copy_gb_per_s"] = layers * n * 2 * int(np.prod(BLOCK)) * 2 / row["copy_s"] / 1e9
                 row["pipelined_vs_max"] = row["pipelined_s"] / max(compute, row["copy_s"])
                 row["pipelined_vs_serial"] = row["pipelined_s"] / row["serial_s"]
@@ -337,6 +344,51 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                  if "error" not in row else row["error"]))
     return {"rows": rows, "note": "times of all layers, one call (layers + 1 work layers, layers copies); compute: "
                                   "the work alone (the same cache reads)"}
+
+
+def _timeline(run) -> dict:
+    """One pipelined run's timeline (`copy_engine.trace`): when each copy ran on its lane and
+    each work layer on XLA's stream (ms), and how much of the work time some copy ran beside."""
+    from sparda_jax.kernels.copy_engine import read_trace, trace
+
+    trace(True)
+    try:
+        run()  # its warm-up call and timed calls all record: the summary keeps the last call's events
+        events = read_trace()
+    finally:
+        trace(False)
+    return timeline_summary(events)
+
+
+def timeline_summary(events) -> dict:
+    """events [(label, ms)] in recording order, of one or more pipelined calls -> the last call's
+    copies (lane, begin, end), work layers (begin, end), in ms from its first work mark."""
+    last = max(i for i, (lab, _) in enumerate(events) if lab == "mark0")
+    first = last
+    while first > 0 and events[first - 1][0].endswith("+"):  # the first copy's start comes before mark0
+        first -= 1
+    t0 = events[last][1]
+    ev = [(lab, round(t - t0, 4)) for lab, t in events[first:]]
+    open_, copies = {}, []
+    for lab, t in ev:
+        if lab.startswith("copy"):
+            if lab.endswith("+"):
+                open_[lab[:-1]] = t
+            elif lab[:-1] in open_:
+                copies.append((lab[:-1], open_.pop(lab[:-1]), t))
+    marks = {int(lab[4:]): t for lab, t in ev if lab.startswith("mark")}
+    works = [(marks[2 * i], marks[2 * i + 1]) for i in range(len(marks) // 2) if 2 * i + 1 in marks]
+    work_ms = sum(b - a for a, b in works)
+    union = []  # the copies' intervals merged: time when at least one copy ran
+    for _, c, d in sorted(copies, key=lambda x: x[1]):
+        if union and c <= union[-1][1]:
+            union[-1][1] = max(union[-1][1], d)
+        else:
+            union.append([c, d])
+    beside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in works for c, d in union)
+    return {"events": ev, "copies": [list(c) for c in copies], "work": [list(w) for w in works], "work_ms": work_ms,
+            "work_ms_with_a_copy_beside": beside, "note": "ms from the first work mark of the last call; a copy "
+            "spans its lane's events around its launch (it may wait there for the copy before it)"}
 
 
 def pipeline_table(result: dict) -> str:

@@ -48,7 +48,7 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "COPY_THREADS", "COPY_GROUP"]
+           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace", "COPY_THREADS", "COPY_GROUP"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -56,7 +56,7 @@ HOST_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 # XLA custom-call target -> symbol in the library
 TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": "SpardaGatherStart",
            "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks",
-           "sparda_gather_dma_start": "SpardaGatherDmaStart"}
+           "sparda_gather_dma_start": "SpardaGatherDmaStart", "sparda_mark": "SpardaMark"}
 # Threads per copy CTA, each with 4 16-byte loads in flight (gather_blocks.cu's kUnroll): 256
 # threads keep 16 KB of reads in flight per CTA, so 16 CTAs reach the bulk PCIe rate
 # (bench/results/decode_overlap.json: 49 of 52 GB/s); more threads per CTA carry the same bytes
@@ -337,6 +337,44 @@ def gather_blocks_dma_start(pool, src, dst, cache, *, lane: int = 0, implementat
     out = _copy_call("sparda_gather_dma_start", src, dst, pools, caches, num_ctas=np.int32(1),
                      block_bytes=_block_bytes(caches), lane=np.int32(lane))
     return out[0] if one else out
+
+
+def mark(x, mark_id: int, *, implementation: str | None = None):
+    """Diagnostics: x itself, with a point on XLA's stream after whatever produced x. With
+    `trace(True)` on the GPU, "mark<id>" joins the timeline of the asynchronous starts' copies
+    (`read_trace`); otherwise nothing is recorded. The reference is the identity."""
+    implementation = _resolve(implementation)
+    if implementation == "xla":
+        return x
+    _register(implementation)
+    call = jax.ffi.ffi_call("sparda_mark", jax.ShapeDtypeStruct(x.shape, x.dtype), input_output_aliases={0: 0})
+    return call(x, id=np.int32(mark_id))
+
+
+def _cuda_library() -> ctypes.CDLL:
+    lib = ctypes.cdll.LoadLibrary(str(build_library()))
+    lib.sparda_trace_read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    return lib
+
+
+def trace(on: bool) -> None:
+    """Diagnostics for the CUDA copy engine: record (True) or not (False, the default) a timing
+    event where each asynchronous start's copy begins and ends on its lane ("copy<lane>+",
+    "copy<lane>-") and at each `mark`. Starts the timeline afresh."""
+    lib = _cuda_library()
+    lib.sparda_trace_reset()
+    lib.sparda_trace_enable(int(bool(on)))
+
+
+def read_trace() -> list[tuple[str, float]]:
+    """The recorded timeline, in recording order: (label, ms after the first event)."""
+    lib = _cuda_library()
+    out, buf, ms = [], ctypes.create_string_buffer(32), ctypes.c_float()
+    for i in range(lib.sparda_trace_count()):
+        if lib.sparda_trace_read(i, buf, 32, ctypes.byref(ms)) != 0:
+            raise RuntimeError(f"trace entry {i} could not be read")
+        out.append((buf.value.decode(), float(ms.value)))
+    return out
 
 
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):

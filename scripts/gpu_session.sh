@@ -18,6 +18,20 @@ for stage in "$@"; do
     pipeline)    # bench: the prefetch pattern without the engine (bench/copy.py bench_pipeline): K/V copies of
                  # the next layer started beside skinny matmuls, per CTA count, threads per CTA, resident (~60 s)
       timeout 200 python3 -m sparda_jax.cli bench copy --pipeline-only --repeats 10 --out "$OUT/copy_pipeline.json" 2>&1 | tail -40 ;;
+    pipeline-timeline)  # the prefetch microbenchmark with a timeline per row (copy_engine.trace: timing events where
+                        # each copy begins and ends on its lane and around each work layer): do they run together? (~60 s)
+      timeout 200 python3 -c "
+from sparda_jax.bench.copy import bench_pipeline, pipeline_table
+import json, os
+from sparda_jax.envinfo import environment
+r = bench_pipeline(blocks=(240, 1920), ctas=(2, 16), threads=(256,), starts=('lanes', 'one'), timeline=True)
+print(pipeline_table(r))
+for x in r['rows']:
+    t = x.get('timeline', {})
+    print(x['blocks_per_layer'], x['start'], x['ctas'], x['resident'], 'work ms', round(t.get('work_ms', 0), 3),
+          'with a copy beside', round(t.get('work_ms_with_a_copy_beside', 0), 3))
+json.dump({'name': 'copy_pipeline', 'environment': environment(), 'command': 'gpu_session.sh pipeline-timeline',
+           'pipeline': r}, open(os.environ['OUT'] + '/copy_pipeline_timeline.json', 'w'), indent=1)" 2>&1 | grep -v "^\[pipeline\]" ;;
     hlo-pipeline)  # where XLA's GPU scheduler puts the copy starts and waits: the optimized HLO (after
                    # scheduling) of the prefetch microbenchmark's programs, one config, tarred (~40 s)
       XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*fn.*" \

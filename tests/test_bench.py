@@ -51,6 +51,21 @@ def test_copy_pipeline_bench_on_cpu():
     assert "| 8 | lanes | 2 | 64 | 1 | True |" in tab and "| 8 | dma | 0 | 0 | 1 | False |" in tab
 
 
+def test_pipeline_timeline_summary():
+    """The traced run's events (recording order) -> the last call's copy and work intervals, and
+    how much work time some copy ran beside (all of layer 0's 1.0 ms, 0.4 of layer 1's)."""
+    from sparda_jax.bench.copy import timeline_summary
+
+    old = [("copy0+", 0.0), ("mark0", 0.1), ("mark1", 0.2), ("copy0-", 0.3)]  # an earlier call: dropped
+    ev = old + [("copy0+", 10.0), ("mark0", 10.0), ("copy1+", 10.1), ("mark1", 11.0), ("copy0-", 11.5),
+                ("mark2", 11.6), ("copy1-", 12.0), ("mark3", 12.6)]
+    s = timeline_summary(ev)
+    assert s["work"] == [[0.0, 1.0], [1.6, 2.6]]
+    assert s["copies"] == [["copy0", 0.0, 1.5], ["copy1", 0.1, 2.0]]
+    assert s["work_ms"] == pytest.approx(2.0)
+    assert s["work_ms_with_a_copy_beside"] == pytest.approx(1.0 + 0.4)  # copies [0, 2.0] together
+
+
 def _tiny_kw(tmp_path, name):
     # tiny preset (4 heads / 2 KV heads, d 16, 16-token blocks): the XLA paths end to end; the
     # Mosaic/cuDNN variants cannot run on the CPU and must say why instead of stopping the run

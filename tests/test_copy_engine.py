@@ -342,3 +342,41 @@ def test_host_ffi_dma_start_twin_is_the_gather():
     got = f(pool, src, dst, cache)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
     assert host_copies_in_flight() == 0
+
+
+@needs_cxx
+def test_host_ffi_mark_is_the_identity():
+    from sparda_jax.kernels.copy_engine import mark
+
+    x = jax.random.normal(jax.random.key(3), (5, 7))
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda a: mark(a, 3, implementation="host_ffi"))(x)),
+                                  np.asarray(x))
+    assert mark(x, 3, implementation="xla") is x
+
+
+@pytest.mark.gpu
+def test_cuda_trace_records_a_started_copy_and_marks_in_order():
+    """The diagnostics timeline: a start's copy begins and ends on its lane, marks sit on XLA's
+    stream; nothing is recorded once tracing is off."""
+    from sparda_jax.infer.engine import _after_start
+    from sparda_jax.kernels.copy_engine import mark, read_trace, trace
+
+    pool, src, dst, cache = _case(8, n_pool=300, n_slots=64, n=48)
+
+    @jax.jit
+    def f(p, s, d, c):
+        c = gather_blocks_start(p, s, d, c, lane=1, implementation="cuda")
+        after = mark(_after_start({"c": c}, d + 0), 7, implementation="cuda")  # after the start, not on its buffer
+        return gather_blocks_wait(c, s, d, after, implementation="cuda")
+    host = _on_host(pool)
+    trace(True)
+    try:
+        got = f(host, src, dst, cache)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(gather_blocks_reference(pool, src, dst, cache)))
+        ev = read_trace()
+    finally:
+        trace(False)
+    labels = [lab for lab, _ in ev]
+    assert labels == ["copy1+", "copy1-", "mark7"] and all(t >= 0 for _, t in ev) and ev[1][1] >= ev[0][1]
+    jax.block_until_ready(f(host, src, dst, cache))
+    assert read_trace() == []

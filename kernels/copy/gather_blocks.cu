@@ -17,6 +17,8 @@
 //   SpardaGatherWait     XLA's stream waits for the copy started into this cache; takes src/dst
 //                        (kept alive until the copy is done) and `after` (any array that must be
 //                        computed before the wait, which pins the wait's place in XLA's schedule)
+//   SpardaMark           diagnostics: a timing event on XLA's stream (with the starts' copy events,
+//                        a timeline; off unless sparda_trace_enable)
 //   SpardaScatterBlocks  pool[dst[t]] = cache[src[t]]: device slots written back into the host
 //                        pool in place (the pool is aliased to the output)
 //
@@ -28,6 +30,7 @@
 //   scatter: from = caches, to = pools
 
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -276,6 +279,22 @@ cudaError_t wait_value_fn(WaitValueFn* out) {
   return cudaSuccess;
 }
 
+// Diagnostics (off unless sparda_trace_enable(1)): a timeline of timing events, in the order they
+// were recorded, labelled: each asynchronous start's copy ("copy<lane>+" where its lane reaches it,
+// "copy<lane>-" when it ends) and each SpardaMark ("mark<id>", on XLA's stream). Read back with
+// sparda_trace_read after a sync: do the copies run while XLA's kernels do?
+bool g_trace_on = false;
+std::vector<std::pair<std::string, cudaEvent_t>> g_trace;
+
+cudaError_t trace_mark(const std::string& label, cudaStream_t stream) {
+  if (!g_trace_on) return cudaSuccess;
+  cudaEvent_t ev = nullptr;
+  cudaError_t err = cudaEventCreate(&ev);
+  if (err != cudaSuccess) return err;
+  g_trace.emplace_back(label, ev);
+  return cudaEventRecord(ev, stream);
+}
+
 cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
   if (!s.spare.empty()) {
     *ev = s.spare.back();
@@ -317,8 +336,11 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
   const int64_t n = static_cast<int64_t>(src.element_count());
+  const std::string tag = "copy" + std::to_string(lane_id);
+  if ((err = trace_mark(tag + "+", lane.stream)) != cudaSuccess) return cuda_error("trace", err);
   ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, threads, group, resident ? lane.started : nullptr);
   if (e.failure()) return e;
+  if ((err = trace_mark(tag + "-", lane.stream)) != cudaSuccess) return cuda_error("trace", err);
   if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
   s->in_flight[key] = done;
   if (resident && n > 0) {
@@ -470,6 +492,55 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
                                   .Arg<ffi::AnyBuffer>()          // after: orders the wait
                                   .RemainingArgs()                // caches being written x n (aliased)
                                   .RemainingRets());              // caches, complete
+
+// ---------------------------------------------------------------- diagnostics
+
+// A point on XLA's stream, in stream order (its operand is its result, aliased): "mark<id>" in
+// the trace when tracing is on, nothing otherwise.
+static ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int32_t id) {
+  if (x.untyped_data() != out->untyped_data()) {
+    const cudaError_t err = cudaMemcpyAsync(out->untyped_data(), x.untyped_data(), x.size_bytes(),
+                                            cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased mark)", err);
+  }
+  std::lock_guard<std::mutex> lock(g_mu);
+  const cudaError_t err = trace_mark("mark" + std::to_string(id), stream);
+  return err == cudaSuccess ? ffi::Error::Success() : cuda_error("trace", err);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaMark, MarkImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("id"));
+
+extern "C" void sparda_trace_enable(int on) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_trace_on = on != 0;
+}
+
+extern "C" int sparda_trace_count() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return static_cast<int>(g_trace.size());
+}
+
+// Entry i: its label (NUL-terminated, at most `cap` bytes) and its time in ms after entry 0.
+// Synchronises on the events; -1 when i is out of range or an event failed.
+extern "C" int sparda_trace_read(int i, char* label, int cap, float* ms) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (i < 0 || i >= static_cast<int>(g_trace.size()) || cap < 1) return -1;
+  const auto& e = g_trace[i];
+  std::snprintf(label, cap, "%s", e.first.c_str());
+  if (cudaEventSynchronize(e.second) != cudaSuccess || cudaEventSynchronize(g_trace[0].second) != cudaSuccess) return -1;
+  return cudaEventElapsedTime(ms, g_trace[0].second, e.second) == cudaSuccess ? 0 : -1;
+}
+
+extern "C" void sparda_trace_reset() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto& e : g_trace) cudaEventDestroy(e.second);
+  g_trace.clear();
+}
 
 // ---------------------------------------------------------------- write-back into the host pool
 

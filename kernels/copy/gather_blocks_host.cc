@@ -174,6 +174,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
                                   .Attr<int32_t>("threads")
                                   .Attr<int32_t>("group"));
 
+// The diagnostics mark's twin: the identity (the CPU has no timeline to record)
+static ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int32_t id) {
+  (void)id;
+  if (x.untyped_data() != out->untyped_data()) std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaMarkHost, MarkImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("id"));
+
 // How many starts are still waiting for their wait: 0 after every complete engine step.
 extern "C" int64_t sparda_host_copies_in_flight() {
   std::lock_guard<std::mutex> lock(g_mu);

@@ -306,6 +306,44 @@ cudaError_t take_event(SideStream& s, cudaEvent_t* ev) {
 
 }  // namespace
 
+// What every asynchronous start shares, with g_mu held. enter_lane: the lane, a refusal when a
+// copy into this cache is already in flight, and the lane's wait for XLA's stream (the side stream
+// starts once XLA's stream has produced the ids and the caches); `done` is the copy's completion
+// event, which leave_lane records after the copy's work on the lane and files for its wait.
+struct StartedCopy {
+  SideStream* s = nullptr;
+  Lane* lane = nullptr;
+  uintptr_t key = 0;  // a copy is known by its first cache
+  cudaEvent_t done = nullptr;
+};
+
+static ffi::Error enter_lane(cudaStream_t stream, const CopyPayloads& p, int32_t lane_id, StartedCopy* c) {
+  cudaError_t err = side_stream(&c->s, lane_id);
+  if (err != cudaSuccess) return cuda_error("side stream", err);
+  c->lane = &c->s->lanes[lane_id];
+  c->key = reinterpret_cast<uintptr_t>(p.to[0]);
+  if (c->s->in_flight.count(c->key)) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+  }
+  cudaEvent_t ready = nullptr;
+  if ((err = take_event(*c->s, &ready)) != cudaSuccess || (err = take_event(*c->s, &c->done)) != cudaSuccess) {
+    return cuda_error("event", err);
+  }
+  if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  if ((err = cudaStreamWaitEvent(c->lane->stream, ready, 0)) != cudaSuccess) {
+    return cuda_error("cudaStreamWaitEvent", err);
+  }
+  c->s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
+  return ffi::Error::Success();
+}
+
+static ffi::Error leave_lane(StartedCopy* c) {
+  const cudaError_t err = cudaEventRecord(c->done, c->lane->stream);
+  if (err != cudaSuccess) return cuda_error("cudaEventRecord", err);
+  c->s->in_flight[c->key] = c->done;
+  return ffi::Error::Success();
+}
+
 static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
                                   ffi::Span<const int64_t> block_bytes, int32_t resident, int32_t lane_id,
@@ -319,30 +357,17 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   // before `ready` is recorded, so the side stream writes into the completed copies
   if ((e0 = alias_or_copy(stream, p)).failure()) return e0;
   std::lock_guard<std::mutex> lock(g_mu);
-  SideStream* s = nullptr;
-  cudaError_t err = side_stream(&s, lane_id);
-  if (err != cudaSuccess) return cuda_error("side stream", err);
-  Lane& lane = s->lanes[lane_id];
-  const auto key = reinterpret_cast<uintptr_t>(p.to[0]);  // a copy is known by its first cache
-  if (s->in_flight.count(key)) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
-  }
-  cudaEvent_t ready = nullptr, done = nullptr;
-  if ((err = take_event(*s, &ready)) != cudaSuccess || (err = take_event(*s, &done)) != cudaSuccess) {
-    return cuda_error("event", err);
-  }
-  // the side stream starts once XLA's stream has produced the ids and the caches
-  if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
-  if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
-  s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
+  StartedCopy c;
+  if ((e0 = enter_lane(stream, p, lane_id, &c)).failure()) return e0;
+  Lane& lane = *c.lane;
+  cudaError_t err;
   const int64_t n = static_cast<int64_t>(src.element_count());
   const std::string tag = "copy" + std::to_string(lane_id);
   if ((err = trace_mark(tag + "+", lane.stream)) != cudaSuccess) return cuda_error("trace", err);
   ffi::Error e = launch_copy(lane.stream, p, src, dst, num_ctas, threads, group, resident ? lane.started : nullptr);
   if (e.failure()) return e;
   if ((err = trace_mark(tag + "-", lane.stream)) != cudaSuccess) return cuda_error("trace", err);
-  if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
-  s->in_flight[key] = done;
+  if ((e = leave_lane(&c)).failure()) return e;
   if (resident && n > 0) {
     WaitValueFn wait_value = nullptr;
     if ((err = wait_value_fn(&wait_value)) != cudaSuccess) return cuda_error("cuStreamWaitValue32 lookup", err);
@@ -408,20 +433,9 @@ static ffi::Error GatherDmaStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> 
     }
   }
   std::lock_guard<std::mutex> lock(g_mu);
-  SideStream* s = nullptr;
-  if ((err = side_stream(&s, lane_id)) != cudaSuccess) return cuda_error("side stream", err);
-  Lane& lane = s->lanes[lane_id];
-  const auto key = reinterpret_cast<uintptr_t>(p.to[0]);
-  if (s->in_flight.count(key)) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
-  }
-  cudaEvent_t ready = nullptr, done = nullptr;
-  if ((err = take_event(*s, &ready)) != cudaSuccess || (err = take_event(*s, &done)) != cudaSuccess) {
-    return cuda_error("event", err);
-  }
-  if ((err = cudaEventRecord(ready, stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
-  if ((err = cudaStreamWaitEvent(lane.stream, ready, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
-  s->spare.push_back(ready);
+  StartedCopy c;
+  if ((e0 = enter_lane(stream, p, lane_id, &c)).failure()) return e0;
+  Lane& lane = *c.lane;
   if (!sizes.empty()) {
     cudaMemcpyAttributes attr{};
     attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
@@ -437,9 +451,7 @@ static ffi::Error GatherDmaStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> 
       return cuda_error("cudaMemcpyBatchAsync", err);
     }
   }
-  if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
-  s->in_flight[key] = done;
-  return ffi::Error::Success();
+  return leave_lane(&c);
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherDmaStart, GatherDmaStartImpl,

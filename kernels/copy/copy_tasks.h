@@ -42,6 +42,14 @@ inline xla::ffi::Error check_threads(int32_t threads) {
   return xla::ffi::Error::Success();
 }
 
+// The side stream ("lane") an asynchronous start names: one per payload at most.
+inline xla::ffi::Error check_lane(int32_t lane) {
+  if (lane < 0 || lane >= kMaxPayloads) {
+    return xla::ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kMaxPayloads - 1));
+  }
+  return xla::ffi::Error::Success();
+}
+
 // Tasks a copy CTA moves as one range (the CUDA kernel's deeper variant for group > 1).
 constexpr int kMaxGroup = 8;
 inline xla::ffi::Error check_group(int32_t group) {

@@ -344,18 +344,24 @@ static ffi::Error leave_lane(StartedCopy* c) {
   return ffi::Error::Success();
 }
 
+// A start's operands decoded and checked, and its caches made the results' buffers, before the
+// lane's `ready` is recorded, so the side stream writes into the completed copies.
+static ffi::Error start_payloads(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                 const ffi::RemainingArgs& args, const ffi::RemainingRets& rets,
+                                 ffi::Span<const int64_t> block_bytes, int32_t lane_id, CopyPayloads* p) {
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), p);
+  if (e.failure()) return e;
+  if ((e = check_lane(lane_id)).failure()) return e;
+  return alias_or_copy(stream, *p);
+}
+
 static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t num_ctas,
                                   ffi::Span<const int64_t> block_bytes, int32_t resident, int32_t lane_id,
                                   int32_t threads, int32_t group) {
   CopyPayloads p;
-  ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  ffi::Error e0 = start_payloads(stream, src, dst, args, rets, block_bytes, lane_id, &p);
   if (e0.failure()) return e0;
-  if (lane_id < 0 || lane_id >= kLanes) {
-    return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kLanes - 1));
-  }
-  // before `ready` is recorded, so the side stream writes into the completed copies
-  if ((e0 = alias_or_copy(stream, p)).failure()) return e0;
   std::lock_guard<std::mutex> lock(g_mu);
   StartedCopy c;
   if ((e0 = enter_lane(stream, p, lane_id, &c)).failure()) return e0;
@@ -405,12 +411,8 @@ static ffi::Error GatherDmaStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> 
                                      ffi::Span<const int64_t> block_bytes, int32_t lane_id) {
   (void)num_ctas;
   CopyPayloads p;
-  ffi::Error e0 = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  ffi::Error e0 = start_payloads(stream, src, dst, args, rets, block_bytes, lane_id, &p);
   if (e0.failure()) return e0;
-  if (lane_id < 0 || lane_id >= kLanes) {
-    return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kLanes - 1));
-  }
-  if ((e0 = alias_or_copy(stream, p)).failure()) return e0;
   const size_t n = src.element_count();
   std::vector<int32_t> hs(n), hd(n);
   cudaError_t err;

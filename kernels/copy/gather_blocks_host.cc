@@ -83,9 +83,7 @@ static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S3
   ffi::Error e0 = check_threads(threads);
   if (e0.failure()) return e0;
   if ((e0 = check_group(group)).failure()) return e0;
-  if (lane < 0 || lane >= kMaxPayloads) {
-    return ffi::Error::InvalidArgument("lane must be in 0.." + std::to_string(kMaxPayloads - 1));
-  }
+  if ((e0 = check_lane(lane)).failure()) return e0;
   CopyPayloads p;
   ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
   if (e.failure()) return e;

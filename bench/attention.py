@@ -50,11 +50,12 @@ __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plo
 # The kernels under test run last in each case: a fault that kills the process then loses only
 # them, and the JSON snapshot written after every variant keeps the rest.
 PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple")
-DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@split", "mosaic_gpu@s2n8", "mosaic_gpu@s3n4",
-                   "mosaic_gpu@s4n4")
+DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@split", "mosaic_gpu@s2n4", "mosaic_gpu@s2n8",
+                   "mosaic_gpu@s2n16", "mosaic_gpu@s3n4")
 # "mosaic_gpu@split": the default decode kernel's pass over the blocks alone, without the XLA combine
 # of its splits (the combine's cost is mosaic_gpu's time less this one); checked after combining
-# the decode kernel as first measured (2 K/V buffers, 4 splits), today's default again
+# the decode kernel as first measured (2 K/V buffers, 4 splits); the default at batch >= 64 since
+# two CTAs fit an SM (smaller batches get more splits: default_n_split)
 DECODE_S2 = dict(stages=2, n_split=4)
 
 

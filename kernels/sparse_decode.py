@@ -1,9 +1,9 @@
 """Block-sparse decode attention in Pallas Mosaic GPU (Hopper).
 
 One query token per sequence over its selected 64-token blocks, read from the contiguous
-cache [B, S, K, D] by block id. Grid (B, K, n_split): each CTA (one warpgroup) walks its share
-of the block list with a ring of `stages` TMA buffers (stages - 1 blocks in flight), computes
-QK^T and PV with wgmma (the G query heads of a group padded to the 64 rows wgmma needs: decode
+cache [B, S, K, D] by block id. Grid (B, K, n_split): each CTA (one warpgroup) copies its
+block list into SMEM, walks its share with a ring of `stages` TMA buffers (stages - 1 blocks in
+flight), computes QK^T and PV with wgmma (the G query heads of a group padded to the 64 rows wgmma needs: decode
 is bound by reading K/V, not by the tensor cores), keeps an online softmax in the log2 domain,
 and writes a partial output with its log-sum-exp; the combine over splits runs in XLA.
 
@@ -42,7 +42,8 @@ MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 
 # of 4 (3 blocks in flight; SMEM at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB, so one
 # CTA per SM) read 0.23-0.34 at batch 16 with 9 splits (attention_a3cd03f.json) and 0.42 with 4
 # (attention.json): slower, so 2 stays the default; `stages` and `n_split` are arguments, and the
-# attention benchmark's mosaic_gpu@s<stages>n<splits> variants time other choices.
+# attention benchmark's mosaic_gpu@s<stages>n<splits> variants time other choices. At 2 stages two
+# CTAs share an SM (see SMEM_PER_SM); at 3 or more one CTA has the SM to itself.
 DEFAULT_STAGES = 2
 
 
@@ -64,83 +65,111 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
     dtype = q_pad.dtype
     scale_log2 = math.log2(math.e) / math.sqrt(D)
 
+    n_pad = -(-n // 4) * 4                                    # whole 16-byte rows for the bulk copy
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n)), constant_values=-1)
+    ids, slots = pad(ids), pad(slots)
+
     def body(q_ref, k_ref, v_ref, ids_ref, slots_ref, nv_ref, pos_ref, o_ref, lse_ref,
-                      q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, kv_bar):
+             q_smem, ids_smem, slots_smem, q_bar, ids_bar, kv_bar):
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         start = s * per
         end = jnp.minimum(start + per, nv_ref[b, h])          # scalar loads straight from GMEM
         p_b = pos_ref[b]
+        # the block list (and slots) in SMEM: each step reads two entries, and a GMEM load in the
+        # loop would put its latency between one block's wgmmas and the next block's copy
+        # (a bulk copy, whole rows in bounds: a tiled TMA box holds at most 256 ids)
+        in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
+        plgpu.copy_gmem_to_smem(ids_ref.at[b, h], ids_smem, ids_bar, oob_mode=in_bounds)
+        if paged:
+            plgpu.copy_gmem_to_smem(slots_ref.at[b, h], slots_smem, ids_bar, oob_mode=in_bounds)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+        plgpu.barrier_wait(ids_bar)
 
-        def fetch(j, slot):                                   # one barrier, two arrivals (K and V)
-            if paged:
-                rows = pl.ds(pl.multiple_of(jnp.maximum(slots_ref[b, h, j], 0) * BS, BS), BS)
-                k_src, v_src = k_ref.at[b, h, rows], v_ref.at[b, h, rows]
-            else:
-                rows = pl.ds(pl.multiple_of(jnp.maximum(ids_ref[b, h, j], 0) * BS, BS), BS)
-                k_src, v_src = k_ref.at[b, rows, h], v_ref.at[b, rows, h]
-            plgpu.copy_gmem_to_smem(k_src, k_smem.at[slot], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], kv_bar.at[slot])
+        def main_loop(k_smem, v_smem, p_smem):
+            def fetch(j, slot):                               # one barrier, two arrivals (K and V)
+                if paged:
+                    rows = pl.ds(pl.multiple_of(jnp.maximum(slots_smem[j], 0) * BS, BS), BS)
+                    k_src, v_src = k_ref.at[b, h, rows], v_ref.at[b, h, rows]
+                else:
+                    rows = pl.ds(pl.multiple_of(jnp.maximum(ids_smem[j], 0) * BS, BS), BS)
+                    k_src, v_src = k_ref.at[b, rows, h], v_ref.at[b, rows, h]
+                plgpu.copy_gmem_to_smem(k_src, k_smem.at[slot], kv_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], kv_bar.at[slot])
 
-        for i in range(stages - 1):                           # fill the ring: blocks start .. start+stages-2
-            @pl.when(start + i < end)
-            def _():
-                fetch(start + i, i)
-        plgpu.barrier_wait(q_bar)
+            for i in range(stages - 1):                       # fill the ring: blocks start .. start+stages-2
+                @pl.when(start + i < end)
+                def _():
+                    fetch(start + i, i)
+            plgpu.barrier_wait(q_bar)
 
-        row_l = plgpu.Layout.WGMMA.reduce(1)
-        m0 = plgpu.layout_cast(jnp.full((GP,), -jnp.inf, jnp.float32), row_l)
-        l0 = plgpu.layout_cast(jnp.zeros((GP,), jnp.float32), row_l)
-        a0 = plgpu.layout_cast(jnp.zeros((GP, D), jnp.float32), plgpu.Layout.WGMMA)
+            row_l = plgpu.Layout.WGMMA.reduce(1)
+            m0 = plgpu.layout_cast(jnp.full((GP,), -jnp.inf, jnp.float32), row_l)
+            l0 = plgpu.layout_cast(jnp.zeros((GP,), jnp.float32), row_l)
+            a0 = plgpu.layout_cast(jnp.zeros((GP, D), jnp.float32), plgpu.Layout.WGMMA)
 
-        def step(j, carry):
-            acc, m_i, l_i = carry
-            slot = lax.rem(j - start, stages)
-            @pl.when(j + stages - 1 < end)                      # refill the slot step j-1 read (free: both
-            def _():                                            # of its wgmmas were awaited)
-                fetch(j + stages - 1, lax.rem(j - start + stages - 1, stages))
-            plgpu.barrier_wait(kv_bar.at[slot])
-            blk = ids_ref[b, h, j]
+            def step(j, carry):
+                acc, m_i, l_i = carry
+                slot = lax.rem(j - start, stages)
+                @pl.when(j + stages - 1 < end)                  # refill the slot step j-1 read (free: both
+                def _():                                        # of its wgmmas were awaited)
+                    fetch(j + stages - 1, lax.rem(j - start + stages - 1, stages))
+                plgpu.barrier_wait(kv_bar.at[slot])
+                blk = ids_smem[j]
 
-            def qk_fn(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)   # (64,D) @ (D,64); K^T via ref transpose
-                return acc_ref[...]                               # deref awaits the wgmma
-            qk = pl.run_scoped(qk_fn, plgpu.ACC((GP, BS), jnp.float32))
+                def qk_fn(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)   # (64,D) @ (D,64); K^T via ref transpose
+                    return acc_ref[...]                               # deref awaits the wgmma
+                qk = pl.run_scoped(qk_fn, plgpu.ACC((GP, BS), jnp.float32))
 
-            tok = blk * BS + plgpu.broadcasted_iota(jnp.int32, (GP, BS), 1, layout=plgpu.Layout.WGMMA)
-            sc = jnp.where(tok <= p_b, qk * scale_log2, -jnp.inf)
-            m_new = jnp.maximum(m_i, sc.max(axis=1))
-            m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no (-inf) - (-inf)
-            alpha = jnp.exp2(m_i - m_safe)
-            p = jnp.exp2(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-            if p_via_smem:                                      # interpret mode: wgmma A must be a ref
-                p_smem[...] = p.astype(dtype)
-                plgpu.commit_smem()
-                a_op = p_smem
-            else:                                               # A from registers (as attention_mgpu.py)
-                a_op = p.astype(dtype)
-            if acc_in_place:                                    # FA3 style; not supported by interpret
-                def pv_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, a_op, v_smem.at[slot])
-                acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
-            else:
-                def pv_fn(acc_ref):
-                    plgpu.wgmma(acc_ref, a_op, v_smem.at[slot])
-                    return acc_ref[...]
-                acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((GP, D), jnp.float32))
-            return acc, m_new, l_i
+                tok = blk * BS + plgpu.broadcasted_iota(jnp.int32, (GP, BS), 1, layout=plgpu.Layout.WGMMA)
+                sc = jnp.where(tok <= p_b, qk * scale_log2, -jnp.inf)
+                m_new = jnp.maximum(m_i, sc.max(axis=1))
+                m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)   # no (-inf) - (-inf)
+                alpha = jnp.exp2(m_i - m_safe)
+                p = jnp.exp2(sc - lax.broadcast_in_dim(m_safe, sc.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if p_via_smem:                                  # interpret mode: wgmma A must be a ref
+                    p_smem[...] = p.astype(dtype)
+                    plgpu.commit_smem()
+                    a_op = p_smem
+                else:                                           # A from registers (as attention_mgpu.py)
+                    a_op = p.astype(dtype)
+                if acc_in_place:                                # FA3 style; not supported by interpret
+                    def pv_fn(acc_ref):
+                        plgpu.wgmma(acc_ref, a_op, v_smem.at[slot])
+                    acc = pl.run_state(pv_fn)(plgpu.ACC.init(acc))
+                else:
+                    def pv_fn(acc_ref):
+                        plgpu.wgmma(acc_ref, a_op, v_smem.at[slot])
+                        return acc_ref[...]
+                    acc = acc + pl.run_scoped(pv_fn, plgpu.ACC((GP, D), jnp.float32))
+                return acc, m_new, l_i
 
-        acc, m_i, l_i = lax.fori_loop(start, end, step, (a0, m0, l0))   # dynamic trip count
+            return lax.fori_loop(start, end, step, (a0, m0, l0))   # dynamic trip count
+
+        # The rings live only in the loop's scope and the output staging only in the epilogue's,
+        # which reuses their SMEM: one scope for both needed 118808 B, over the 115712 B with which
+        # two CTAs share an SM (228 KB, 1 KB reserved per CTA), so every CTA ran alone on its SM
+        acc, m_i, l_i = pl.run_scoped(
+            main_loop,
+            plgpu.SMEM((stages, BS, D), dtype, transforms=MMA_T),   # K ring
+            plgpu.SMEM((stages, BS, D), dtype, transforms=MMA_T),   # V ring
+            # P staging, read only with p_via_smem (interpret mode): 8 rows otherwise
+            plgpu.SMEM((GP if p_via_smem else 8, BS), dtype, transforms=MMA_T))
         nonempty = l_i > 0
         l_safe = jnp.where(nonempty, l_i, 1.0)
-        o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
-        lse_smem[...] = jnp.where(nonempty, m_i + jnp.log2(l_safe), -jnp.inf)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
-        plgpu.wait_smem_to_gmem(0)
+
+        def epilogue(o_smem, lse_smem):
+            plgpu.commit_smem()   # every warp is past its last wgmma on the rings this space held
+            o_smem[...] = acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])
+            lse_smem[...] = jnp.where(nonempty, m_i + jnp.log2(l_safe), -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, h, s])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, s])
+            plgpu.wait_smem_to_gmem(0)
+
+        pl.run_scoped(epilogue, plgpu.SMEM((GP, D), jnp.float32), plgpu.SMEM((GP,), jnp.float32))
 
     return plgpu.kernel(
             body,
@@ -149,14 +178,11 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
             grid=(B, K, n_split), grid_names=("b", "h", "s"),
             scratch_types=(
                     plgpu.SMEM((GP, D), dtype, transforms=MMA_T),        # q
-                    plgpu.SMEM((stages, BS, D), dtype, transforms=MMA_T),   # K ring
-                    plgpu.SMEM((stages, BS, D), dtype, transforms=MMA_T),   # V ring
-                    # P staging, read only with p_via_smem (interpret mode): 8 rows otherwise
-                    plgpu.SMEM((GP if p_via_smem else 8, BS), dtype, transforms=MMA_T),
-                    plgpu.SMEM((GP, D), jnp.float32),                    # out staging
-                    plgpu.SMEM((GP,), jnp.float32),                      # lse staging
-                    plgpu.Barrier(),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                    plgpu.SMEM((n_pad,), jnp.int32),                     # block ids
+                    plgpu.SMEM((n_pad if paged else 4,), jnp.int32),     # slots (paged)
+                    plgpu.Barrier(),                                     # q
+                    plgpu.Barrier(num_arrivals=2 if paged else 1),       # ids and slots
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # K/V ring
             ),
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=interpret,
@@ -164,13 +190,37 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
 
 
 DEFAULT_SPLITS = 4
+MAX_SPLITS = 16
+# Hopper: 228 KB of SMEM per SM, 1 KB of it reserved per resident CTA. The kernel at 2 stages
+# (D = 128) needs ~85 KB, so two CTAs share an SM; `test_two_ctas_fit_an_sm` holds it to that.
+SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 228 * 1024, 1024
+CTAS_PER_SM = 2
+H200_SMS = 132
 
 
-def default_n_split(n_blocks: int) -> int:
-    """KV splits per (sequence, KV head): DEFAULT_SPLITS, the measured choice (2 stages: 0.44-0.48
-    of HBM bandwidth at batch 16, 0.89-0.97 at batch 64 on the H200; 8 splits read 0.41-0.42 at
-    batch 16, bench/results/attention.json), never more than there are blocks."""
-    return max(1, min(DEFAULT_SPLITS, n_blocks))
+def default_n_split(n_blocks: int, pairs: int | None = None, sms: int | None = None) -> int:
+    """KV splits per (sequence, KV head): enough CTAs for `CTAS_PER_SM` on every SM when the
+    grid's (sequence, KV head) `pairs` are few, at least DEFAULT_SPLITS, at most MAX_SPLITS,
+    never more than there are blocks. sms: the GPU's SM count (None: the first GPU's, else
+    H200_SMS). Why: each CTA walks its blocks one after another (copy, QK^T, softmax, PV), so
+    at batch 16 (32 pairs x 4 splits = 128 CTAs, one per SM) the H200 read 0.44-0.48 of HBM
+    bandwidth against 0.89-0.97 at batch 64 (bench/results/attention.json). 8 splits did not help
+    then (0.41-0.42) because the kernel's SMEM (118808 B) let only one CTA on an SM; since the
+    output staging reuses the rings' SMEM two fit, and batch 16 gets 8 splits. Not yet timed on
+    the GPU: the attention benchmark's mosaic_gpu@s2n4 / @s2n8 variants compare the choices."""
+    if pairs is None:
+        return max(1, min(DEFAULT_SPLITS, n_blocks))
+    sms = sms or _gpu_sms()
+    want = max(DEFAULT_SPLITS, min(MAX_SPLITS, CTAS_PER_SM * sms // max(1, pairs)))
+    return max(1, min(want, n_blocks))
+
+
+def _gpu_sms() -> int:
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend (CPU, interpret mode)
+        return H200_SMS
+    return int(getattr(gpus[0], "core_count", 0) or H200_SMS)
 
 
 def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
@@ -209,7 +259,7 @@ def _split_pass(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     """The kernel's pass over the blocks: per (sequence, KV head, split) the normalised partial
     output o [B, K, n_split, G, D] f32 and its log-sum-exp lse [B, K, n_split, G] (log2)."""
     if n_split is None:
-        n_split = default_n_split(ids.shape[-1])
+        n_split = default_n_split(ids.shape[-1], ids.shape[0] * ids.shape[1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
     kw["interpret"] = interpret
     B, H, D = q.shape

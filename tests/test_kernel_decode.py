@@ -135,8 +135,41 @@ def test_dispatch_through_sparse_attention():
 def test_default_split_count():
     from sparda_jax.kernels.sparse_decode import default_n_split
 
-    assert default_n_split(96) == 4     # the measured choice at batch 64 and 16
+    assert default_n_split(96) == 4     # no grid given: the measured 4
     assert default_n_split(3) == 3      # never more splits than blocks
+    # minicpm4.1 (2 KV heads) on the H200's 132 SMs: two CTAs per SM in one wave at batch 16
+    assert default_n_split(96, 16 * 2, sms=132) == 8
+    assert default_n_split(96, 64 * 2, sms=132) == 4     # at least 4 (batch 64 measured 0.89-0.97)
+    assert default_n_split(96, 1 * 2, sms=132) == 16     # at most 16
+    assert default_n_split(5, 2, sms=132) == 5
+
+
+@pytest.mark.parametrize("n", [6, 96, 2048])
+def test_two_ctas_fit_an_sm(n):
+    """At 2 stages and D = 128 the kernel's SMEM (checked by Mosaic GPU's own budget check under an
+    artificial limit) leaves room for a second CTA on a Hopper SM, contiguous and paged, up to a
+    block list of 2048 (128K tokens). Before the output staging reused the rings' SMEM the kernel
+    needed 118808 B, and every CTA had an SM to itself."""
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    from sparda_jax.kernels.sparse_decode import (CTAS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA,
+                                                  paged_sparse_decode_attention)
+
+    limit = SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA
+    b, kh, g, d = 16, 2, 16, 128
+    sds = jax.ShapeDtypeStruct
+    q, pos = sds((b, kh * g, d), jnp.bfloat16), sds((b,), jnp.int32)
+    ids = sds((b, kh, n), jnp.int32)
+    kv = sds((b, max(n, 8) * 64, kh, d), jnp.bfloat16)
+    pool = sds((b, kh, n, 64, d), jnp.bfloat16)
+    with mgpu_core.artificial_shared_memory_limit(limit):
+        jax.jit(functools.partial(sparse_decode_attention, stages=2)).trace(q, kv, kv, ids, pos).lower(
+            lowering_platforms=("cuda",))
+        jax.jit(functools.partial(paged_sparse_decode_attention, stages=2)).trace(q, pool, pool, ids, ids, pos).lower(
+            lowering_platforms=("cuda",))
+    with pytest.raises(ValueError, match="exceeds available shared memory"):  # the check does bite
+        with mgpu_core.artificial_shared_memory_limit(limit):
+            jax.jit(functools.partial(sparse_decode_attention, stages=3)).trace(q, kv, kv, ids, pos).lower(
+                lowering_platforms=("cuda",))
 
 
 def _paged(seed, g, d, n_slots=10):

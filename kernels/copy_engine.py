@@ -128,7 +128,7 @@ def _compile(compiler: str, flags, source: Path, name: str, cache_dir, force: bo
     """source -> a shared library in the cache, keyed by source, the headers beside it (the
     rules the CUDA and CPU handlers share), flags and the FFI headers' location."""
     include = jax.ffi.include_dir()
-    local = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    local = b"".join(h.read_bytes() for h in sorted([*source.parent.glob("*.h"), *source.parent.glob("*.cuh")]))
     key = hashlib.sha256(source.read_bytes() + local + " ".join(flags).encode() + include.encode()).hexdigest()[:16]
     cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
     out = cache_dir / f"{name}_{key}.so"

@@ -51,6 +51,10 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
     attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also other buffer and split
                  # counts, mosaic_gpu@s<S>n<N>); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;
+    overlap-probe)  # the engine's copy kernel beside other kernels with plain CUDA streams, outside XLA:
+                    # short CTAs, a CUDA graph of them, persistent one-CTA-per-SM work (as nvjet), the
+                    # same leaving 16 SMs, cuBLAS; and two copy streams at once (~30 s)
+      bash scripts/probes/overlap_probe.sh ;;
     attention-split)  # the decode kernel's split pass alone vs the whole kernel (split pass + XLA combine),
                       # batch 16 and 64, 32K and 128K: what the combine costs (~60 s)
       timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --lengths 32768 131072 \

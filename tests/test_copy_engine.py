@@ -118,6 +118,22 @@ def test_cuda_source_compiles(tmp_path):
     assert build_library(tmp_path) == lib  # cached
 
 
+@pytest.mark.skipif(nvcc_path() is None, reason="no nvcc on this machine")
+def test_overlap_probe_compiles(tmp_path):
+    """scripts/probes/overlap_probe.cu builds against the engine's own kernel header (as its
+    script does on the GPU machine), so a change to copy_kernels.cuh cannot silently break it."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "overlap_probe"
+    r = subprocess.run([nvcc_path(), "-O3", "-std=c++17", "-arch=sm_90", "-I", str(root / "kernels" / "copy"),
+                        "-I", jax.ffi.include_dir(), str(root / "scripts" / "probes" / "overlap_probe.cu"),
+                        "-o", str(out), "-ldl"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert out.stat().st_size > 10_000
+
+
 @pytest.mark.gpu
 def test_cuda_gather_equals_reference():
     pool, src, dst, cache = _case(3, n_pool=300, n_slots=64, n=48)

@@ -51,6 +51,9 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
     attention)   # bench: sparse prefill/decode kernels vs cuDNN (~120 s; decode also other buffer and split
                  # counts, mosaic_gpu@s<S>n<N>); do not set highest precision here
       timeout 200 python3 -m sparda_jax.cli bench attention --out "$OUT/attention.json" 2>&1 | tail -30 ;;
+    xla-variants)   # the prefetch microbenchmark with XLA's CUDA graphs off, the environment's CUDA_* variables,
+                    # and the 4d2db98 overlap benchmark that overlapped partly (~150 s)
+      bash scripts/probes/xla_variants.sh ;;
     overlap-probe)  # the engine's copy kernel beside other kernels with plain CUDA streams, outside XLA:
                     # short CTAs, a CUDA graph of them, persistent one-CTA-per-SM work (as nvjet), the
                     # same leaving 16 SMs, cuBLAS; and two copy streams at once (~30 s)

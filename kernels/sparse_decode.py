@@ -192,7 +192,7 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
 DEFAULT_SPLITS = 4
 MAX_SPLITS = 16
 # Hopper: 228 KB of SMEM per SM, 1 KB of it reserved per resident CTA. The kernel at 2 stages
-# (D = 128) needs ~85 KB, so two CTAs share an SM; `test_two_ctas_fit_an_sm` holds it to that.
+# (D = 128) needs 87072 B, so two CTAs share an SM; `test_two_ctas_fit_an_sm` holds it to that.
 SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 228 * 1024, 1024
 CTAS_PER_SM = 2
 H200_SMS = 132

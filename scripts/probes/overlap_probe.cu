@@ -76,6 +76,15 @@ __global__ void persistent_kernel(const uint4* __restrict__ a, int64_t n_tiles, 
   if (smem[(threadIdx.x + 1) % blockDim.x] == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
+// One CTA of one warp spinning for `cycles` SM clocks: two of them on two streams take one spin's
+// time if the GPU runs kernels of different streams together, two spins' if it does not.
+__global__ void spin_kernel(long long cycles, unsigned int* sink) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+  if (cycles < 0) atomicAdd(sink, 1u);
+}
+
 // ------------------------------------------------------------------------------- cuBLAS, optional
 
 using CublasCreate = int (*)(void**);
@@ -116,13 +125,15 @@ struct Setup {
   void *x = nullptr, *w = nullptr, *y = nullptr;
   cudaStream_t main = nullptr, side = nullptr, side2 = nullptr;
   int persistent_smem = 0;       // all an SM has for one CTA: no other CTA fits beside it
+  long long spin_cycles = 0;     // ~1 ms
   cudaGraphExec_t graph = nullptr;
 };
 
-enum Work { kNone, kStream, kStreamGraph, kPersistent, kPersistentLeaving, kCublas };
+enum Work { kNone, kSpin, kStream, kStreamGraph, kPersistent, kPersistentLeaving, kCublas };
 static const char* work_name(Work w) {
   switch (w) {
     case kNone: return "none";
+    case kSpin: return "spin";
     case kStream: return "stream";
     case kStreamGraph: return "stream_graph";
     case kPersistent: return "persistent";
@@ -137,6 +148,11 @@ static int g_work_reps = 1;  // repeats of the work kernel per case, sized once 
 static void launch_work(Setup& s, Work w) {
   if (w == kStreamGraph) {
     CK(cudaGraphLaunch(s.graph, s.main));
+    return;
+  }
+  if (w == kSpin) {
+    spin_kernel<<<1, 32, 0, s.main>>>(s.spin_cycles, s.sink);
+    CK(cudaGetLastError());
     return;
   }
   for (int r = 0; r < g_work_reps; ++r) {
@@ -169,7 +185,8 @@ struct Times {
 };
 
 // copies: 0 (work alone), 1 (K and V in one kernel of `ctas` CTAs on `side`), 2 (K on side, V on
-// side2, `ctas` each). copy_first: the copy's launch is issued before the work's.
+// side2, `ctas` each), -1 (a spin on `side` instead of a copy). copy_first: the copy's launch is
+// issued before the work's.
 static Times run_case(Setup& s, Work w, int copies, int ctas, bool copy_first) {
   std::vector<float> c, k, t;
   cudaEvent_t e0, ec, ec2, ew, e1;
@@ -183,6 +200,7 @@ static Times run_case(Setup& s, Work w, int copies, int ctas, bool copy_first) {
     CK(cudaStreamWaitEvent(s.side, e0, 0));
     CK(cudaStreamWaitEvent(s.side2, e0, 0));
     auto copy = [&]() {
+      if (copies == -1) spin_kernel<<<1, 32, 0, s.side>>>(s.spin_cycles, s.sink);
       if (copies == 1) launch_copy(s, s.side, s.kv, ctas);
       if (copies == 2) {
         launch_copy(s, s.side, s.k_only, ctas);
@@ -223,6 +241,9 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   s.sms = prop.multiProcessorCount;
+  int clock_khz = 0;
+  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  s.spin_cycles = static_cast<long long>(clock_khz);  // kHz x 1 ms
   // the opt-in maximum per CTA (227 KB on Hopper) + its 1 KB reserve = the SM's 228 KB
   s.persistent_smem = static_cast<int>(prop.sharedMemPerBlockOptin);
   CK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, s.persistent_smem));
@@ -294,8 +315,10 @@ int main(int argc, char** argv) {
     }
   }
 
-  std::printf("{\"name\": \"overlap_probe\", \"sms\": %d, \"device\": \"%s\", \"mib_per_copy\": %.1f, \"cases\": [\n", s.sms,
-              prop.name, 2.0 * s.n_tasks * kBlockBytes / (1 << 20));
+  const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
+  std::printf("{\"name\": \"overlap_probe\", \"sms\": %d, \"device\": \"%s\", \"mib_per_copy\": %.1f, "
+              "\"CUDA_DEVICE_MAX_CONNECTIONS\": \"%s\", \"cases\": [\n",
+              s.sms, prop.name, 2.0 * s.n_tasks * kBlockBytes / (1 << 20), conn ? conn : "");
   bool first = true;
   auto emit = [&](const char* what, Work w, int copies, int ctas, bool copy_first, const Times& t) {
     std::printf("%s {\"case\": \"%s\", \"work\": \"%s\", \"copies\": %d, \"ctas\": %d, \"copy_first\": %s, "
@@ -304,6 +327,10 @@ int main(int argc, char** argv) {
                 t.total_ms);
     first = false;
   };
+  // the plainest concurrency check: a spin alone, two spins on two streams, a spin beside a copy
+  emit("spin_alone", kSpin, 0, 1, true, run_case(s, kSpin, 0, 1, true));
+  emit("two_spins", kSpin, -1, 1, true, run_case(s, kSpin, -1, 1, true));
+  emit("spin_and_copy", kSpin, 1, 16, true, run_case(s, kSpin, 1, 16, true));
   // the copies alone: one kernel of 1, 2, 16 CTAs; two kernels on two streams (1 + 1, 8 + 8)
   for (int c : {1, 2, 16}) emit("copy_alone", kNone, 1, c, true, run_case(s, kNone, 1, c, true));
   for (int c : {1, 8}) emit("two_streams", kNone, 2, c, true, run_case(s, kNone, 2, c, true));

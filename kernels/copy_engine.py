@@ -48,7 +48,7 @@ import numpy as np
 __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "gather_blocks_wait", "scatter_blocks",
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
-           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace", "COPY_THREADS", "COPY_GROUP"]
+           "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace", "unaliased_copies", "COPY_THREADS", "COPY_GROUP"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -374,6 +374,23 @@ def read_trace() -> list[tuple[str, float]]:
         if lib.sparda_trace_read(i, buf, 32, ctypes.byref(ms)) != 0:
             raise RuntimeError(f"trace entry {i} could not be read")
         out.append((buf.value.decode(), float(ms.value)))
+    return out
+
+
+def unaliased_copies(implementation: str | None = None, *, reset: bool = False) -> tuple[int, int]:
+    """Diagnostics: (calls, bytes) of the copy engine's handlers that XLA gave an output buffer
+    apart from its aliased input, so that the handler first copied the whole cache or pool on
+    XLA's stream, since the process started or the last reset. Expected (0, 0): every call
+    updates its buffers in place. "xla" has no handlers: (0, 0)."""
+    implementation = _resolve(implementation)
+    if implementation == "xla":
+        return 0, 0
+    lib, suffix = (_host_library(), "Host") if implementation == "host_ffi" else (_cuda_library(), "")
+    read = getattr(lib, "sparda_unaliased" + suffix)
+    read.restype, read.argtypes = ctypes.c_int64, [ctypes.c_int]
+    out = int(read(0)), int(read(1))
+    if reset:
+        getattr(lib, "sparda_reset_unaliased" + suffix)()
     return out
 
 

@@ -89,6 +89,19 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start):
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["sparse", "sparda"])
+def test_cuda_copy_calls_update_in_place(setup, mode):
+    """Inside the engine's jit on the GPU every copy call gets its cache as its output buffer
+    (input_output_aliases kept): a call that got two buffers copies the whole cache on XLA's
+    stream first, a cost in every layer of every step (the CPU twin's test says 0 there)."""
+    from sparda_jax.kernels.copy_engine import unaliased_copies
+
+    unaliased_copies("cuda", reset=True)
+    _run(setup, mode, copy_impl="cuda", steps=20)
+    assert unaliased_copies("cuda") == (0, 0)
+
+
 needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
                                reason="no host C++ compiler for the host_ffi twin")
 
@@ -101,8 +114,13 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
     start's buffer must reach its own wait (none left in flight after a step)."""
     from sparda_jax.kernels.copy_engine import host_copies_in_flight
 
+    from sparda_jax.kernels.copy_engine import unaliased_copies
+
+    unaliased_copies("host_ffi", reset=True)
     ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30, copy_start=copy_start)
     assert host_copies_in_flight() == 0
+    # XLA kept every call's aliasing: no handler had to copy a whole cache before its own copy
+    assert unaliased_copies("host_ffi") == (0, 0)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
     np.testing.assert_allclose(ffi, ref, atol=2e-5)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1

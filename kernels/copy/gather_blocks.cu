@@ -29,6 +29,7 @@
 //   gather: from = pools [n_pool, block] (pinned host, viewed as bytes), to = caches [n_slots, block]
 //   scatter: from = caches, to = pools
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -49,11 +50,21 @@ static ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
 
+// Handler calls that got an output apart from its aliased input, and the bytes they copied: each
+// such copy moves a whole cache (or pool) on XLA's stream. Read by sparda_unaliased.
+std::atomic<int64_t> g_unaliased_calls{0}, g_unaliased_bytes{0};
+
+static void count_unaliased(size_t bytes) {
+  g_unaliased_calls += 1;
+  g_unaliased_bytes += static_cast<int64_t>(bytes);
+}
+
 // The outputs should be the inputs' buffers (input_output_aliases), but XLA may hand over two
 // buffers (seen on the H200 inside the engine's jit): then an output starts as a copy of its input.
 static ffi::Error alias_or_copy(cudaStream_t stream, const CopyPayloads& p) {
   for (int j = 0; j < p.n; ++j) {
     if (p.to_in[j] == p.to[j]) continue;
+    count_unaliased(p.to_bytes[j]);
     const cudaError_t err = cudaMemcpyAsync(p.to[j], p.to_in[j], p.to_bytes[j], cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
   }
@@ -400,6 +411,7 @@ static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src,
     auto out = rets.get<ffi::AnyBuffer>(j);
     if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
     if (in->untyped_data() == (*out)->untyped_data()) continue;
+    count_unaliased((*out)->size_bytes());
     err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(), cudaMemcpyDefault, stream);
     if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
   }
@@ -457,6 +469,11 @@ extern "C" int sparda_trace_read(int i, char* label, int cap, float* ms) {
   if (cudaEventSynchronize(e.second) != cudaSuccess || cudaEventSynchronize(g_trace[0].second) != cudaSuccess) return -1;
   return cudaEventElapsedTime(ms, g_trace[0].second, e.second) == cudaSuccess ? 0 : -1;
 }
+
+// what 0: handler calls that copied an unaliased output first; 1: their bytes. reset: zero both.
+extern "C" int64_t sparda_unaliased(int what) { return what == 0 ? g_unaliased_calls.load() : g_unaliased_bytes.load(); }
+
+extern "C" void sparda_reset_unaliased() { g_unaliased_calls = 0; g_unaliased_bytes = 0; }
 
 extern "C" void sparda_trace_reset() {
   std::lock_guard<std::mutex> lock(g_mu);

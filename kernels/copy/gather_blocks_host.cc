@@ -23,9 +23,22 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+std::mutex g_mu;
+std::unordered_set<uintptr_t> g_in_flight;  // the first buffer of each started copy, until its wait
+int64_t g_unaliased[2] = {0, 0};           // handler calls that got an output apart from its input; their bytes
+
+void count_unaliased(size_t bytes) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_unaliased[0] += 1;
+  g_unaliased[1] += static_cast<int64_t>(bytes);
+}
+
 void alias_or_copy(const CopyPayloads& p) {
   for (int j = 0; j < p.n; ++j) {
-    if (p.to_in[j] != p.to[j]) std::memcpy(p.to[j], p.to_in[j], p.to_bytes[j]);
+    if (p.to_in[j] != p.to[j]) {
+      std::memcpy(p.to[j], p.to_in[j], p.to_bytes[j]);
+      count_unaliased(p.to_bytes[j]);
+    }
   }
 }
 
@@ -42,9 +55,6 @@ void copy_rows(const CopyPayloads& p, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi
     }
   }
 }
-
-std::mutex g_mu;
-std::unordered_set<uintptr_t> g_in_flight;  // the first buffer of each started copy, until its wait
 
 }  // namespace
 
@@ -148,6 +158,8 @@ static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32
     if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
     if (in->untyped_data() != (*out)->untyped_data()) {
       std::memcpy((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes());
+      g_unaliased[0] += 1;  // g_mu is held
+      g_unaliased[1] += static_cast<int64_t>((*out)->size_bytes());
     }
   }
   return ffi::Error::Success();
@@ -189,6 +201,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaMarkHost, MarkImpl,
 extern "C" int64_t sparda_host_copies_in_flight() {
   std::lock_guard<std::mutex> lock(g_mu);
   return static_cast<int64_t>(g_in_flight.size());
+}
+
+// Handler calls whose output XLA placed apart from its aliased input (each copied the whole buffer
+// first), and the bytes so copied: `what` 0 calls, 1 bytes (the CUDA handlers' sparda_unaliased).
+extern "C" int64_t sparda_unaliasedHost(int what) {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_unaliased[what == 0 ? 0 : 1];
+}
+
+extern "C" void sparda_reset_unaliasedHost() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_unaliased[0] = g_unaliased[1] = 0;
 }
 
 extern "C" void sparda_host_reset_in_flight() {

@@ -57,17 +57,21 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
     if stages < 2:
         raise ValueError(f"stages must be >= 2 (a block in flight while one is read), got {stages}")
     paged = slots is not None
-    if not paged:
-        slots = ids  # unused: the contiguous cache is addressed by block id
     B, K, _, D = q_pad.shape
     n = ids.shape[-1]
     per = -(-n // n_split)
     dtype = q_pad.dtype
     scale_log2 = math.log2(math.e) / math.sqrt(D)
 
-    n_pad = -(-n // 4) * 4                                    # whole 16-byte rows for the bulk copy
+    # Each CTA copies the window of its block list that holds its `per` entries into SMEM, from a
+    # 16-byte boundary (the bulk copy's alignment: 4 int32): W entries from start rounded down to
+    # 4. The lists are padded (-1) so that the last split's window stays inside them. Two CTAs
+    # still share an SM up to ~3800 blocks a split (paged: two windows of 4 B an entry).
+    W = -(-(per + 3) // 4) * 4
+    n_pad = max(-(-n // 4) * 4, ((n_split - 1) * per) // 4 * 4 + W)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n)), constant_values=-1)
-    ids, slots = pad(ids), pad(slots)
+    ids = pad(ids)
+    slots = pad(slots) if paged else ids  # unused when contiguous: the cache is addressed by block id
 
     def body(q_ref, k_ref, v_ref, ids_ref, slots_ref, nv_ref, pos_ref, o_ref, lse_ref,
              q_smem, ids_smem, slots_smem, q_bar, ids_bar, kv_bar):
@@ -75,23 +79,24 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
         start = s * per
         end = jnp.minimum(start + per, nv_ref[b, h])          # scalar loads straight from GMEM
         p_b = pos_ref[b]
-        # the block list (and slots) in SMEM: each step reads two entries, and a GMEM load in the
-        # loop would put its latency between one block's wgmmas and the next block's copy
-        # (a bulk copy, whole rows in bounds: a tiled TMA box holds at most 256 ids)
+        # this split's window of the block list (and slots) in SMEM: each step reads two entries,
+        # and a GMEM load in the loop would put its latency between one block's wgmmas and the
+        # next block's copy (a bulk copy, in bounds by the padding; a tiled TMA box holds <= 256)
+        w0 = pl.multiple_of(lax.div(start, 4) * 4, 4)
         in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
-        plgpu.copy_gmem_to_smem(ids_ref.at[b, h], ids_smem, ids_bar, oob_mode=in_bounds)
+        plgpu.copy_gmem_to_smem(ids_ref.at[b, h, pl.ds(w0, W)], ids_smem, ids_bar, oob_mode=in_bounds)
         if paged:
-            plgpu.copy_gmem_to_smem(slots_ref.at[b, h], slots_smem, ids_bar, oob_mode=in_bounds)
+            plgpu.copy_gmem_to_smem(slots_ref.at[b, h, pl.ds(w0, W)], slots_smem, ids_bar, oob_mode=in_bounds)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
         plgpu.barrier_wait(ids_bar)
 
         def main_loop(k_smem, v_smem, p_smem):
             def fetch(j, slot):                               # one barrier, two arrivals (K and V)
                 if paged:
-                    rows = pl.ds(pl.multiple_of(jnp.maximum(slots_smem[j], 0) * BS, BS), BS)
+                    rows = pl.ds(pl.multiple_of(jnp.maximum(slots_smem[j - w0], 0) * BS, BS), BS)
                     k_src, v_src = k_ref.at[b, h, rows], v_ref.at[b, h, rows]
                 else:
-                    rows = pl.ds(pl.multiple_of(jnp.maximum(ids_smem[j], 0) * BS, BS), BS)
+                    rows = pl.ds(pl.multiple_of(jnp.maximum(ids_smem[j - w0], 0) * BS, BS), BS)
                     k_src, v_src = k_ref.at[b, rows, h], v_ref.at[b, rows, h]
                 plgpu.copy_gmem_to_smem(k_src, k_smem.at[slot], kv_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], kv_bar.at[slot])
@@ -114,7 +119,7 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
                 def _():                                        # of its wgmmas were awaited)
                     fetch(j + stages - 1, lax.rem(j - start + stages - 1, stages))
                 plgpu.barrier_wait(kv_bar.at[slot])
-                blk = ids_smem[j]
+                blk = ids_smem[j - w0]
 
                 def qk_fn(acc_ref):
                     plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)   # (64,D) @ (D,64); K^T via ref transpose
@@ -178,8 +183,8 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
             grid=(B, K, n_split), grid_names=("b", "h", "s"),
             scratch_types=(
                     plgpu.SMEM((GP, D), dtype, transforms=MMA_T),        # q
-                    plgpu.SMEM((n_pad,), jnp.int32),                     # block ids
-                    plgpu.SMEM((n_pad if paged else 4,), jnp.int32),     # slots (paged)
+                    plgpu.SMEM((W,), jnp.int32),                         # block ids (window)
+                    plgpu.SMEM((W if paged else 4,), jnp.int32),         # slots (paged)
                     plgpu.Barrier(),                                     # q
                     plgpu.Barrier(num_arrivals=2 if paged else 1),       # ids and slots
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages),  # K/V ring
@@ -198,20 +203,23 @@ CTAS_PER_SM = 2
 H200_SMS = 132
 
 
-def default_n_split(n_blocks: int, pairs: int | None = None, sms: int | None = None) -> int:
-    """KV splits per (sequence, KV head): enough CTAs for `CTAS_PER_SM` on every SM when the
-    grid's (sequence, KV head) `pairs` are few, at least DEFAULT_SPLITS, at most MAX_SPLITS,
-    never more than there are blocks. sms: the GPU's SM count (None: the first GPU's, else
-    H200_SMS). Why: each CTA walks its blocks one after another (copy, QK^T, softmax, PV), so
-    at batch 16 (32 pairs x 4 splits = 128 CTAs, one per SM) the H200 read 0.44-0.48 of HBM
-    bandwidth against 0.89-0.97 at batch 64 (bench/results/attention.json). 8 splits did not help
-    then (0.41-0.42) because the kernel's SMEM (118808 B) let only one CTA on an SM; since the
-    output staging reuses the rings' SMEM two fit, and batch 16 gets 8 splits. Not yet timed on
-    the GPU: the attention benchmark's mosaic_gpu@s2n4 / @s2n8 variants compare the choices."""
+def default_n_split(n_blocks: int, pairs: int | None = None, sms: int | None = None, *,
+                    stages: int = DEFAULT_STAGES, head_dim: int = 128) -> int:
+    """KV splits per (sequence, KV head): enough CTAs to fill every SM with as many CTAs as fit
+    on one (`CTAS_PER_SM` at 2 stages and head dim <= 128, else 1) when the grid's (sequence,
+    KV head) `pairs` are few; at least DEFAULT_SPLITS, at most MAX_SPLITS, never more than there
+    are blocks. sms: the GPU's SM count (None: the first GPU's, else H200_SMS). Why: each CTA
+    walks its blocks one after another (copy, QK^T, softmax, PV), so at batch 16 (32 pairs x 4
+    splits = 128 CTAs, one per SM) the H200 read 0.44-0.48 of HBM bandwidth against 0.89-0.97 at
+    batch 64 (bench/results/attention.json). 8 splits did not help then (0.41-0.42) because the
+    kernel's SMEM (118808 B) let only one CTA on an SM; since the output staging reuses the rings'
+    SMEM two fit, and batch 16 gets 8 splits. Not yet timed on the GPU: the attention benchmark's
+    mosaic_gpu@s2n4 / @s2n8 variants compare the choices."""
     if pairs is None:
         return max(1, min(DEFAULT_SPLITS, n_blocks))
     sms = sms or _gpu_sms()
-    want = max(DEFAULT_SPLITS, min(MAX_SPLITS, CTAS_PER_SM * sms // max(1, pairs)))
+    per_sm = CTAS_PER_SM if stages <= 2 and head_dim <= 128 else 1
+    want = max(DEFAULT_SPLITS, min(MAX_SPLITS, per_sm * sms // max(1, pairs)))
     return max(1, min(want, n_blocks))
 
 
@@ -259,7 +267,7 @@ def _split_pass(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     """The kernel's pass over the blocks: per (sequence, KV head, split) the normalised partial
     output o [B, K, n_split, G, D] f32 and its log-sum-exp lse [B, K, n_split, G] (log2)."""
     if n_split is None:
-        n_split = default_n_split(ids.shape[-1], ids.shape[0] * ids.shape[1])
+        n_split = default_n_split(ids.shape[-1], ids.shape[0] * ids.shape[1], stages=stages, head_dim=q.shape[-1])
     kw = dict(p_via_smem=True, acc_in_place=False) if interpret is not None else {}
     kw["interpret"] = interpret
     B, H, D = q.shape

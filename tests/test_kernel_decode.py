@@ -142,14 +142,18 @@ def test_default_split_count():
     assert default_n_split(96, 64 * 2, sms=132) == 4     # at least 4 (batch 64 measured 0.89-0.97)
     assert default_n_split(96, 1 * 2, sms=132) == 16     # at most 16
     assert default_n_split(5, 2, sms=132) == 5
+    # one CTA per SM fits at 3+ stages or head dim 256: the grid is one wave of those
+    assert default_n_split(96, 16 * 2, sms=132, stages=3) == 4
+    assert default_n_split(96, 8 * 2, sms=132, head_dim=256) == 8
 
 
-@pytest.mark.parametrize("n", [6, 96, 2048])
+@pytest.mark.parametrize("n", [6, 96, 2048, 16384])
 def test_two_ctas_fit_an_sm(n):
     """At 2 stages and D = 128 the kernel's SMEM (checked by Mosaic GPU's own budget check under an
     artificial limit) leaves room for a second CTA on a Hopper SM, contiguous and paged, up to a
-    block list of 2048 (128K tokens). Before the output staging reused the rings' SMEM the kernel
-    needed 118808 B, and every CTA had an SM to itself."""
+    block list of 16384 (1M tokens: each CTA holds only its split's window of the list). Before
+    the output staging reused the rings' SMEM the kernel needed 118808 B, and every CTA had an
+    SM to itself."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
     from sparda_jax.kernels.sparse_decode import (CTAS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA,
                                                   paged_sparse_decode_attention)

@@ -1,21 +1,26 @@
 // Does a UVA copy kernel run beside other kernels at all, outside XLA? The prefetch pattern of the
 // engine measured compute + copy (bench/results/copy_pipeline*.json), and two copy lanes of one CTA
 // each moved no more than one. This probe times the engine's own copy kernel (copy_kernels.cuh)
-// with plain CUDA streams, against three kinds of work on another stream:
+// with plain CUDA streams (the copy on a high-priority side stream, as the engine's lanes):
+//   spin        one warp spinning 1 ms: two spins on two streams, and a spin beside a copy, are the
+//               plainest test of whether kernels of two streams run together at all on the machine
 //   stream      many short CTAs reading HBM (XLA's fusions): SMs free up all the time
 //   stream_graph the same kernels launched as one CUDA graph (XLA runs its thunks as graphs)
 //   persistent  one CTA per SM for the whole kernel (grid = SMs, all of an SM's SMEM), tiles
 //               assigned statically, as cuBLAS's nvjet GEMMs (one CTA per SM, 168 regs x 384
 //               threads): a copy CTA holding an SM delays one CTA of it until the copy ends
-//   cublas      the decode microbenchmark's GEMM, [16, 4096] x [4096, 14336] bf16, if libcublas loads
-// and `persistent` sized to leave 16 SMs free (the engine's copy quota). Each case records,
-// from one start event, when the copy ended, when the work ended and when both had: overlap shows as
-// total ~ max(copy, work); serialisation as total ~ copy + work.
+//   persistent_leaving_16_sms  the same on SMs - 16 CTAs (the engine's copy quota left free)
+//   cublas      the decode microbenchmark's GEMM, [16, 4096] x [4096, 14336] bf16, if libcublas
+//               loads; and the same with cublasSetSmCountTarget(SMs - 16)
+// Each beside a copy issued before or after it, and "resident" (the main stream waits until the
+// copy's CTAs run, as the engine's resident starts). Each case records, from one start event
+// (after a gate that lets the host queue every launch first), when the copy ended, when the work
+// ended and when both had: overlap shows as total ~ max(copy, work), serialisation as ~ their sum.
 //
 // Build and run (scripts/probes/overlap_probe.sh does both on the GPU machine):
 //   nvcc -O3 -std=c++17 -arch=sm_90 -I kernels/copy -I $(python3 -c 'import jax; print(jax.ffi.include_dir())') \
 //        scripts/probes/overlap_probe.cu -o /tmp/overlap_probe -ldl
-//   /tmp/overlap_probe [path/to/libcublas.so] > overlap_probe.json
+//   /tmp/overlap_probe [path/to/libcublas.so]   # one JSON object a line: a header, then the cases
 #include <dlfcn.h>
 
 #include <algorithm>
@@ -26,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "copy_kernels.cuh"
@@ -76,40 +82,62 @@ __global__ void persistent_kernel(const uint4* __restrict__ a, int64_t n_tiles, 
   if (smem[(threadIdx.x + 1) % blockDim.x] == 0x9e3779b9u) atomicAdd(sink, 1u);
 }
 
-// One CTA of one warp spinning for `cycles` SM clocks: two of them on two streams take one spin's
-// time if the GPU runs kernels of different streams together, two spins' if it does not.
-__global__ void spin_kernel(long long cycles, unsigned int* sink) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
+// One warp spinning for `ns` nanoseconds of the GPU's global timer (not SM clocks, which vary
+// with the boost state): two spins on two streams take one spin's time if the GPU runs kernels of
+// different streams together, two spins' if it does not. Also the gate before each case.
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__global__ void spin_kernel(long long ns, unsigned int* sink) {
+  const unsigned long long t0 = global_ns();
+  while (static_cast<long long>(global_ns() - t0) < ns) {
   }
-  if (cycles < 0) atomicAdd(sink, 1u);
+  if (ns < 0) atomicAdd(sink, 1u);
 }
 
 // ------------------------------------------------------------------------------- cuBLAS, optional
 
 using CublasCreate = int (*)(void**);
 using CublasSetStream = int (*)(void*, cudaStream_t);
+using CublasSetSmCountTarget = int (*)(void*, int);
+using CublasGetVersion = int (*)(void*, int*);
 using CublasGemmEx = int (*)(void*, int, int, int, int, int, const void*, const void*, int, int, const void*, int,
                              int, const void*, void*, int, int, int, int);
 struct Cublas {
-  void* handle = nullptr;
-  CublasSetStream set_stream = nullptr;
+  void* handle = nullptr;     // as XLA's
+  void* targeted = nullptr;   // cublasSetSmCountTarget(SMs - 16): told that 16 SMs are busy elsewhere
   CublasGemmEx gemm = nullptr;
+  int version = 0;
+  bool ok = false;
 };
 
-static bool load_cublas(const char* path, Cublas* c) {
+static bool load_cublas(const char* path, cudaStream_t stream, int target_sms, Cublas* c) {
   void* lib = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
   if (lib == nullptr) {
     std::fprintf(stderr, "cublas: %s\n", dlerror());
     return false;
   }
   auto create = reinterpret_cast<CublasCreate>(dlsym(lib, "cublasCreate_v2"));
-  c->set_stream = reinterpret_cast<CublasSetStream>(dlsym(lib, "cublasSetStream_v2"));
+  auto set_stream = reinterpret_cast<CublasSetStream>(dlsym(lib, "cublasSetStream_v2"));
+  auto set_target = reinterpret_cast<CublasSetSmCountTarget>(dlsym(lib, "cublasSetSmCountTarget"));
+  auto get_version = reinterpret_cast<CublasGetVersion>(dlsym(lib, "cublasGetVersion_v2"));
   c->gemm = reinterpret_cast<CublasGemmEx>(dlsym(lib, "cublasGemmEx"));
-  return create != nullptr && c->set_stream != nullptr && c->gemm != nullptr && create(&c->handle) == 0;
+  if (create == nullptr || set_stream == nullptr || c->gemm == nullptr) return false;
+  if (create(&c->handle) != 0 || set_stream(c->handle, stream) != 0) return false;
+  if (get_version != nullptr) get_version(c->handle, &c->version);
+  if (set_target != nullptr && create(&c->targeted) == 0 &&
+      (set_stream(c->targeted, stream) != 0 || set_target(c->targeted, target_sms) != 0)) {
+    c->targeted = nullptr;
+  }
+  return true;
 }
 
 // ------------------------------------------------------------------------------- the cases
+
+using WaitValueFn = CUresult (*)(CUstream, CUdeviceptr, cuuint32_t, unsigned int);
 
 struct Setup {
   int sms = 0;
@@ -121,15 +149,17 @@ struct Setup {
   uint4* hbm = nullptr;          // the work's input
   int64_t hbm_vec = 0;
   unsigned int* sink = nullptr;
+  unsigned int* started = nullptr;  // resident copies: CTAs that have begun (the engine's counter)
+  unsigned int launched = 0;
+  WaitValueFn wait_value = nullptr;
   Cublas cublas;
   void *x = nullptr, *w = nullptr, *y = nullptr;
   cudaStream_t main = nullptr, side = nullptr, side2 = nullptr;
   int persistent_smem = 0;       // all an SM has for one CTA: no other CTA fits beside it
-  long long spin_cycles = 0;     // ~1 ms
   cudaGraphExec_t graph = nullptr;
 };
 
-enum Work { kNone, kSpin, kStream, kStreamGraph, kPersistent, kPersistentLeaving, kCublas };
+enum Work { kNone, kSpin, kStream, kStreamGraph, kPersistent, kPersistentLeaving, kCublas, kCublasTargeted };
 static const char* work_name(Work w) {
   switch (w) {
     case kNone: return "none";
@@ -139,11 +169,14 @@ static const char* work_name(Work w) {
     case kPersistent: return "persistent";
     case kPersistentLeaving: return "persistent_leaving_16_sms";
     case kCublas: return "cublas";
+    case kCublasTargeted: return "cublas_sm_target_minus_16";
   }
   return "?";
 }
 
-static int g_work_reps = 1;  // repeats of the work kernel per case, sized once to ~1 ms
+constexpr long long kSpinNs = 1000000;  // 1 ms
+constexpr long long kGateNs = 2000000;  // holds the GPU while the host queues a case's launches
+static int g_work_reps = 1;             // repeats of the work kernel per case, sized once to ~1 ms
 
 static void launch_work(Setup& s, Work w) {
   if (w == kStreamGraph) {
@@ -151,7 +184,7 @@ static void launch_work(Setup& s, Work w) {
     return;
   }
   if (w == kSpin) {
-    spin_kernel<<<1, 32, 0, s.main>>>(s.spin_cycles, s.sink);
+    spin_kernel<<<1, 32, 0, s.main>>>(kSpinNs, s.sink);
     CK(cudaGetLastError());
     return;
   }
@@ -164,20 +197,35 @@ static void launch_work(Setup& s, Work w) {
       const int grid = w == kPersistent ? s.sms : std::max(1, s.sms - 16);
       const int64_t tile_vec = 64 * 1024 / 16;  // 64 KB tiles
       persistent_kernel<<<grid, 384, s.persistent_smem, s.main>>>(s.hbm, s.hbm_vec / tile_vec, tile_vec, s.sink);
-    } else if (w == kCublas) {
+    } else if (w == kCublas || w == kCublasTargeted) {
       const float one = 1.f, zero = 0.f;
       // row-major y[16, 14336] = x[16, 4096] @ w[4096, 14336], as column-major y^T = w^T x^T
       const int CUDA_R_16BF = 14, CUBLAS_COMPUTE_32F = 68, CUBLAS_GEMM_DEFAULT = -1;
-      s.cublas.gemm(s.cublas.handle, 0, 0, 14336, 16, 4096, &one, s.w, CUDA_R_16BF, 14336, s.x, CUDA_R_16BF, 4096,
-                    &zero, s.y, CUDA_R_16BF, 14336, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      const int st = s.cublas.gemm(w == kCublas ? s.cublas.handle : s.cublas.targeted, 0, 0, 14336, 16, 4096, &one,
+                                   s.w, CUDA_R_16BF, 14336, s.x, CUDA_R_16BF, 4096, &zero, s.y, CUDA_R_16BF, 14336,
+                                   CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+      if (st != 0) {
+        std::fprintf(stderr, "cublasGemmEx (%s) returned %d\n", work_name(w), st);
+        std::exit(2);
+      }
     }
   }
   CK(cudaGetLastError());
 }
 
-static void launch_copy(Setup& s, cudaStream_t st, const KernelPayloads& p, int ctas) {
-  copy_blocks_kernel<<<ctas, 256, 0, st>>>(p, s.src, s.dst, s.n_tasks, s.n_pool, s.n_tasks, nullptr);
+static void launch_copy(Setup& s, cudaStream_t st, const KernelPayloads& p, int ctas, bool resident = false) {
+  copy_blocks_kernel<<<ctas, 256, 0, st>>>(p, s.src, s.dst, s.n_tasks, s.n_pool, s.n_tasks,
+                                           resident ? s.started : nullptr);
   CK(cudaGetLastError());
+  if (resident) {  // the engine's resident start: the main stream waits until the copy's CTAs run
+    s.launched += static_cast<unsigned int>(ctas);
+    const CUresult r = s.wait_value(reinterpret_cast<CUstream>(s.main), reinterpret_cast<CUdeviceptr>(s.started),
+                                    s.launched, CU_STREAM_WAIT_VALUE_GEQ);
+    if (r != CUDA_SUCCESS) {
+      std::fprintf(stderr, "cuStreamWaitValue32: %d\n", static_cast<int>(r));
+      std::exit(1);
+    }
+  }
 }
 
 struct Times {
@@ -185,23 +233,22 @@ struct Times {
 };
 
 // copies: 0 (work alone), 1 (K and V in one kernel of `ctas` CTAs on `side`), 2 (K on side, V on
-// side2, `ctas` each), -1 (a spin on `side` instead of a copy). copy_first: the copy's launch is
-// issued before the work's.
+// side2, `ctas` each), 3 (as 1, resident: the main stream waits until its CTAs run, then works),
+// -1 (a spin on `side` instead of a copy). copy_first: the copy's launch is issued before the
+// work's. Every case starts behind a gate (a spin on the main stream): its launches are all
+// queued before the timing event e0, so host launch time is not counted.
 static Times run_case(Setup& s, Work w, int copies, int ctas, bool copy_first) {
   std::vector<float> c, k, t;
   cudaEvent_t e0, ec, ec2, ew, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&ec));
-  CK(cudaEventCreate(&ec2));
-  CK(cudaEventCreate(&ew));
-  CK(cudaEventCreate(&e1));
+  for (cudaEvent_t* e : {&e0, &ec, &ec2, &ew, &e1}) CK(cudaEventCreate(e));
   for (int rep = 0; rep < kRepeats + 1; ++rep) {  // the first is a warm-up
+    spin_kernel<<<1, 32, 0, s.main>>>(kGateNs, s.sink);
     CK(cudaEventRecord(e0, s.main));
     CK(cudaStreamWaitEvent(s.side, e0, 0));
     CK(cudaStreamWaitEvent(s.side2, e0, 0));
     auto copy = [&]() {
-      if (copies == -1) spin_kernel<<<1, 32, 0, s.side>>>(s.spin_cycles, s.sink);
-      if (copies == 1) launch_copy(s, s.side, s.kv, ctas);
+      if (copies == -1) spin_kernel<<<1, 32, 0, s.side>>>(kSpinNs, s.sink);
+      if (copies == 1 || copies == 3) launch_copy(s, s.side, s.kv, ctas, copies == 3);
       if (copies == 2) {
         launch_copy(s, s.side, s.k_only, ctas);
         launch_copy(s, s.side2, s.v_only, ctas);
@@ -241,9 +288,6 @@ int main(int argc, char** argv) {
   cudaDeviceProp prop{};
   CK(cudaGetDeviceProperties(&prop, 0));
   s.sms = prop.multiProcessorCount;
-  int clock_khz = 0;
-  CK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  s.spin_cycles = static_cast<long long>(clock_khz);  // kHz x 1 ms
   // the opt-in maximum per CTA (227 KB on Hopper) + its 1 KB reserve = the SM's 228 KB
   s.persistent_smem = static_cast<int>(prop.sharedMemPerBlockOptin);
   CK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, s.persistent_smem));
@@ -252,6 +296,18 @@ int main(int argc, char** argv) {
   CK(cudaStreamCreateWithFlags(&s.main, cudaStreamNonBlocking));
   CK(cudaStreamCreateWithPriority(&s.side, cudaStreamNonBlocking, greatest));  // as the engine's lanes
   CK(cudaStreamCreateWithPriority(&s.side2, cudaStreamNonBlocking, greatest));
+  {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    CK(cudaGetDriverEntryPointByVersion("cuStreamWaitValue32", &p, 12000, cudaEnableDefault, &q));
+    if (q != cudaDriverEntryPointSuccess || p == nullptr) {
+      std::fprintf(stderr, "cuStreamWaitValue32 not found\n");
+      return 1;
+    }
+    s.wait_value = reinterpret_cast<WaitValueFn>(p);
+  }
+  CK(cudaMalloc(&s.started, 4));
+  CK(cudaMemset(s.started, 0, 4));
 
   // pools: 512 MiB each of pinned host memory; 1920 tasks a layer (60 MiB of K and V: random traffic
   // at batch 16 and 128K, bench/results/decode_overlap.json)
@@ -293,14 +349,13 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&s.hbm, s.hbm_vec * 16));
   CK(cudaMemset(s.hbm, 3, s.hbm_vec * 16));
   CK(cudaMalloc(&s.sink, 4));
-  bool have_cublas = argc > 1 && load_cublas(argv[1], &s.cublas);
+  bool have_cublas = argc > 1 && load_cublas(argv[1], s.main, s.sms - 16, &s.cublas);
   if (have_cublas) {
     CK(cudaMalloc(&s.x, 16 * 4096 * 2));
     CK(cudaMalloc(&s.w, 4096ll * 14336 * 2));
     CK(cudaMalloc(&s.y, 16 * 14336 * 2));
     CK(cudaMemset(s.x, 0, 16 * 4096 * 2));
     CK(cudaMemset(s.w, 0, 4096ll * 14336 * 2));
-    have_cublas = s.cublas.set_stream(s.cublas.handle, s.main) == 0;
   }
   CK(cudaDeviceSynchronize());
 
@@ -315,33 +370,44 @@ int main(int argc, char** argv) {
     }
   }
 
+  // one JSON object a line, flushed: a crash or a timeout keeps the lines before it
+  int driver = 0, runtime = 0;
+  CK(cudaDriverGetVersion(&driver));
+  CK(cudaRuntimeGetVersion(&runtime));
   const char* conn = std::getenv("CUDA_DEVICE_MAX_CONNECTIONS");
-  std::printf("{\"name\": \"overlap_probe\", \"sms\": %d, \"device\": \"%s\", \"mib_per_copy\": %.1f, "
-              "\"CUDA_DEVICE_MAX_CONNECTIONS\": \"%s\", \"cases\": [\n",
-              s.sms, prop.name, 2.0 * s.n_tasks * kBlockBytes / (1 << 20), conn ? conn : "");
-  bool first = true;
-  auto emit = [&](const char* what, Work w, int copies, int ctas, bool copy_first, const Times& t) {
-    std::printf("%s {\"case\": \"%s\", \"work\": \"%s\", \"copies\": %d, \"ctas\": %d, \"copy_first\": %s, "
-                "\"copy_ms\": %.4f, \"work_ms\": %.4f, \"total_ms\": %.4f}",
-                first ? "" : ",\n", what, work_name(w), copies, ctas, copy_first ? "true" : "false", t.copy_ms, t.work_ms,
-                t.total_ms);
-    first = false;
+  std::printf("{\"header\": true, \"sms\": %d, \"device\": \"%s\", \"driver\": %d, \"runtime\": %d, "
+              "\"smem_per_sm\": %zu, \"smem_per_block_optin\": %zu, \"smem_reserved_per_block\": %zu, "
+              "\"cublas_version\": %d, \"cublas_sm_target\": %s, \"mib_per_copy\": %.1f, "
+              "\"CUDA_DEVICE_MAX_CONNECTIONS\": \"%s\"}\n",
+              s.sms, prop.name, driver, runtime, prop.sharedMemPerMultiprocessor, prop.sharedMemPerBlockOptin,
+              prop.reservedSharedMemPerBlock, s.cublas.version, s.cublas.targeted ? "true" : "false",
+              2.0 * s.n_tasks * kBlockBytes / (1 << 20), conn ? conn : "");
+  std::fflush(stdout);
+  auto emit = [&](const char* what, Work w, int copies, int ctas, bool copy_first) {
+    const Times t = run_case(s, w, copies, ctas, copy_first);
+    std::printf("{\"case\": \"%s\", \"work\": \"%s\", \"copies\": %d, \"ctas\": %d, \"copy_first\": %s, "
+                "\"copy_ms\": %.4f, \"work_ms\": %.4f, \"total_ms\": %.4f, \"work_reps\": %d}\n",
+                what, work_name(w), copies, ctas, copy_first ? "true" : "false", t.copy_ms, t.work_ms, t.total_ms,
+                g_work_reps);
+    std::fflush(stdout);
   };
   // the plainest concurrency check: a spin alone, two spins on two streams, a spin beside a copy
-  emit("spin_alone", kSpin, 0, 1, true, run_case(s, kSpin, 0, 1, true));
-  emit("two_spins", kSpin, -1, 1, true, run_case(s, kSpin, -1, 1, true));
-  emit("spin_and_copy", kSpin, 1, 16, true, run_case(s, kSpin, 1, 16, true));
+  emit("spin_alone", kSpin, 0, 1, true);
+  emit("two_spins", kSpin, -1, 1, true);
+  emit("spin_and_copy", kSpin, 1, 16, true);
   // the copies alone: one kernel of 1, 2, 16 CTAs; two kernels on two streams (1 + 1, 8 + 8)
-  for (int c : {1, 2, 16}) emit("copy_alone", kNone, 1, c, true, run_case(s, kNone, 1, c, true));
-  for (int c : {1, 8}) emit("two_streams", kNone, 2, c, true, run_case(s, kNone, 2, c, true));
-  // the work alone, sized to ~1 ms a case
+  for (int c : {1, 2, 16}) emit("copy_alone", kNone, 1, c, true);
+  for (int c : {1, 8}) emit("two_streams", kNone, 2, c, true);
+  // the work alone, sized to ~1 ms a case, then beside a copy of 2 or 16 CTAs issued first or
+  // last, and (16 CTAs) resident as the engine's starts are
   std::vector<Work> works = {kStream, kStreamGraph, kPersistent, kPersistentLeaving};
   if (have_cublas) works.push_back(kCublas);
+  if (have_cublas && s.cublas.targeted != nullptr) works.push_back(kCublasTargeted);
   for (Work w : works) {
     if (w != kStreamGraph) {  // the graph keeps the stream kernel's repeats
       g_work_reps = 1;
       const float one = run_case(s, w, 0, 16, true).work_ms;
-      g_work_reps = std::max(1, static_cast<int>(1.0f / std::max(one, 1e-3f)));
+      g_work_reps = std::max(1, std::min(200, static_cast<int>(1.0f / std::max(one, 5e-3f))));
     } else {
       cudaGraph_t g = nullptr;
       CK(cudaStreamBeginCapture(s.main, cudaStreamCaptureModeThreadLocal));
@@ -350,11 +416,11 @@ int main(int argc, char** argv) {
       CK(cudaGraphInstantiate(&s.graph, g, 0));
       CK(cudaGraphDestroy(g));
     }
-    emit("work_alone", w, 0, 16, true, run_case(s, w, 0, 16, true));
+    emit("work_alone", w, 0, 16, true);
     for (int c : {2, 16}) {
-      for (bool cf : {true, false}) emit("together", w, 1, c, cf, run_case(s, w, 1, c, cf));
+      for (bool cf : {true, false}) emit("together", w, 1, c, cf);
     }
+    emit("together_resident", w, 3, 16, true);
   }
-  std::printf("\n]}\n");
   return 0;
 }

@@ -77,8 +77,6 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
              q_smem, ids_smem, slots_smem, q_bar, ids_bar, kv_bar):
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         start = s * per
-        end = jnp.minimum(start + per, nv_ref[b, h])          # scalar loads straight from GMEM
-        p_b = pos_ref[b]
         # this split's window of the block list (and slots) in SMEM: each step reads two entries,
         # and a GMEM load in the loop would put its latency between one block's wgmmas and the
         # next block's copy (a bulk copy, in bounds by the padding; a tiled TMA box holds <= 256)
@@ -88,6 +86,8 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
         if paged:
             plgpu.copy_gmem_to_smem(slots_ref.at[b, h, pl.ds(w0, W)], slots_smem, ids_bar, oob_mode=in_bounds)
         plgpu.copy_gmem_to_smem(q_ref.at[b, h], q_smem, q_bar)
+        end = jnp.minimum(start + per, nv_ref[b, h])          # scalar loads from GMEM, while the copies fly
+        p_b = pos_ref[b]
         plgpu.barrier_wait(ids_bar)
 
         def main_loop(k_smem, v_smem, p_smem):

@@ -58,6 +58,13 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
                     # short CTAs, a CUDA graph of them, persistent one-CTA-per-SM work (as nvjet), the
                     # same leaving 16 SMs, cuBLAS; and two copy streams at once (~30 s)
       bash scripts/probes/overlap_probe.sh ;;
+    tests-decode)   # the decode kernel's GPU tests alone (two CTAs per SM, ids window in SMEM; ~60 s)
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_kernel_decode.py > "$OUT/gpu_tests_decode.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_decode.log" | tail -8 ;;
+    attention-decode)  # decode attention alone, every decode variant (the new default with 8 splits at batch 16
+                       # vs the old s2n4, s2n8, s2n16, s3n4, the split pass without its combine), 32K-128K (~100 s)
+      timeout 300 python3 -m sparda_jax.cli bench attention --decode-only --out "$OUT/attention_decode.json" 2>&1 | tail -16 ;;
     attention-split)  # the decode kernel's split pass alone vs the whole kernel (split pass + XLA combine),
                       # batch 16 and 64, 32K and 128K: what the combine costs (~60 s)
       timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --lengths 32768 131072 \

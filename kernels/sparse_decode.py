@@ -2,10 +2,12 @@
 
 One query token per sequence over its selected 64-token blocks, read from the contiguous
 cache [B, S, K, D] by block id. Grid (B, K, n_split): each CTA (one warpgroup) copies its
-block list into SMEM, walks its share with a ring of `stages` TMA buffers (stages - 1 blocks in
-flight), computes QK^T and PV with wgmma (the G query heads of a group padded to the 64 rows wgmma needs: decode
-is bound by reading K/V, not by the tensor cores), keeps an online softmax in the log2 domain,
-and writes a partial output with its log-sum-exp; the combine over splits runs in XLA.
+split's window of the block list into SMEM, walks it with a ring of `stages` TMA buffers
+(stages - 1 blocks in flight), computes QK^T and PV with wgmma (the G query heads of a group
+padded to the 64 rows wgmma needs: decode is bound by reading K/V, not by the tensor cores),
+keeps an online softmax in the log2 domain, and writes a partial output with its log-sum-exp;
+the combine over splits runs in XLA. At 2 stages two CTAs fit an SM (the output staging reuses
+the rings' SMEM).
 
 Drafted and checked in interpret mode and with the CPU lowering check (docs/mosaic-gpu-notes.md
 section 2); `sparse_decode_attention_reference` is the plain-jnp reference with the same

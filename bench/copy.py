@@ -204,7 +204,7 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
     copies and the work layers ran). Every copy is checked against NumPy.
     implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
     """
-    from sparda_jax.infer.engine import _after_start, _host_sharding
+    from sparda_jax.infer.engine import _after_start, _host_sharding, join_tokens
     from sparda_jax.kernels.copy_engine import lane_ctas
 
     log = log or (lambda m: print(m, flush=True))
@@ -277,13 +277,13 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                 elif kind == "copy":
                     for l in range(layers):
                         kv = start(l, caches[l], x)
-                        caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x))
+                        caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x)[1])
                 elif kind == "serial":
                     x = work(x, w, reps)
                     for l in range(layers):
                         if how == "dma":  # the same copy, waited for before the work
                             kv = start(l, caches[l], x)
-                            caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x))
+                            caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x)[1])
                         else:
                             caches[l] = gather_blocks(pools, tasks(l, x), dst, caches[l], num_ctas=c, threads=th,
                                                       group=grp, implementation=implementation)
@@ -291,14 +291,20 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                 else:  # pipelined: copy l runs beside work layer l (the engine's layer l+1 copy during layer l)
                     # marks: timing events around each work layer (ids 2i, 2i + 1) for the timeline
                     mk = (lambda x, i: mark(x, i, implementation=implementation)) if marks else (lambda x, i: x)
+                    # each wait follows its own start's barrier and the next start's (their tokens), as
+                    # in the engine: a barrier whose outputs nothing uses is dropped, and its order with it
+                    tokens = {}
                     caches[0] = start(0, caches[0], x)
-                    x = mk(_after_start(dict(enumerate(caches[0])), x), 0)
+                    x, tokens[0] = _after_start(dict(enumerate(caches[0])), x)
+                    x = mk(x, 0)
                     x = mk(work(x, w, reps), 1)
                     for l in range(layers):
+                        after = [tokens[l]]
                         if l + 1 < layers:
                             caches[l + 1] = start(l + 1, caches[l + 1], x)
-                            x = _after_start(dict(enumerate(caches[l + 1])), x)
-                        caches[l] = wait(l, caches[l], x)
+                            x, tokens[l + 1] = _after_start(dict(enumerate(caches[l + 1])), x)
+                            after.append(tokens[l + 1])
+                        caches[l] = wait(l, caches[l], join_tokens(*after, x.reshape(-1)[:1]))
                         x = mk(touch(x, caches[l]), 2 * l + 2)
                         x = mk(work(x, w, reps), 2 * l + 3)
                 return tuple(caches), x

@@ -288,7 +288,7 @@ def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
     for i in range(srcs.shape[0]):
         cache_l = _gather_blocks(plan, host, i + 1, srcs[i], dst, cache_l, start=start)
         if start:
-            cache_l = _wait_blocks(plan, cache_l, srcs[i], dst, _after_start(cache_l, srcs[i]))
+            cache_l = _wait_blocks(plan, cache_l, srcs[i], dst, _after_start(cache_l, srcs[i])[1])
     return cache_l
 
 

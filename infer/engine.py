@@ -189,11 +189,16 @@ def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
     return src.astype(jnp.int32), dst.astype(jnp.int32)
 
 
+# Blocks are the trailing (bs, X) dims of the caches [B, K, n_slots, bs, X] and pools [L-1, B, K,
+# nb, bs, X]: the copy calls take them unreshaped (`block_ndim`), since a reshape around an
+# aliased custom call made XLA copy the whole cache (or pool) before the call and after it.
+BLOCK_NDIM = 2
+
+
 def _pool(plan, h, layer):
-    l1, b, kh, nb = h.shape[:4]
-    if plan.copy_impl in FFI_IMPLEMENTATIONS:
-        return h.reshape(l1 * b * kh * nb, *h.shape[4:])
-    return h[layer - 1].reshape(b * kh * nb, *h.shape[4:])
+    """The pool the layer's tasks index: the whole pool for the custom calls (their tasks carry
+    the layer's offset), the layer's own for the reference."""
+    return h if plan.copy_impl in FFI_IMPLEMENTATIONS else h[layer - 1]
 
 
 def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: bool = False) -> dict:
@@ -203,30 +208,41 @@ def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: b
     (`_wait_blocks` completes it) as one copy per payload, each on its own side-stream lane with
     its share of the CTA quota, running side by side (see `gather_blocks_start`)."""
     names = list(cache_l)
-    flats = [cache_l[n].reshape(-1, *cache_l[n].shape[3:]) for n in names]
+    caches = [cache_l[n] for n in names]
     pools = [_pool(plan, host[n], layer) for n in names]
+    kw = dict(group=plan.copy_group, block_ndim=BLOCK_NDIM, implementation=plan.copy_impl)
     if start and plan.copy_start == "one":
-        out = gather_blocks_start(tuple(pools), src, dst, tuple(flats), num_ctas=plan.num_ctas, lane=0,
-                                  group=plan.copy_group, implementation=plan.copy_impl)
+        out = gather_blocks_start(tuple(pools), src, dst, tuple(caches), num_ctas=plan.num_ctas, lane=0, **kw)
     elif start:
-        out = [gather_blocks_start(p, src, dst, f, num_ctas=c, lane=j, group=plan.copy_group,
-                                   implementation=plan.copy_impl)
-               for j, (p, f, c) in enumerate(zip(pools, flats, lane_ctas(plan.num_ctas, flats)))]
+        out = [gather_blocks_start(p, src, dst, f, num_ctas=c, lane=j, **kw)
+               for j, (p, f, c) in enumerate(zip(pools, caches,
+                                                 lane_ctas(plan.num_ctas, caches, block_ndim=BLOCK_NDIM)))]
     else:
-        out = gather_blocks(tuple(pools), src, dst, tuple(flats), num_ctas=plan.num_ctas, group=plan.copy_group,
-                            implementation=plan.copy_impl)
-    return {n: o.reshape(cache_l[n].shape) for n, o in zip(names, out)}
+        out = gather_blocks(tuple(pools), src, dst, tuple(caches), num_ctas=plan.num_ctas, **kw)
+    return dict(zip(names, out))
 
 
 def _after_start(started: dict, x):
-    """x, ordered after the copy starts into `started` (XLA schedules by data alone). The
-    barrier holds a one-element slice of each started cache, not the cache: a cache that passes
-    through a barrier is copied by XLA before its wait (copy insertion, for the wait's in-place
-    output), and that copy would read the buffer while the side stream writes it, then hand the
-    wait a buffer its start never wrote ("no copy in flight", seen with the host_ffi twin and on
-    the H200). The slice's read races with the copy, harmlessly: its value is never used."""
-    marks = [c.reshape(-1)[:1] for c in started.values()]
-    return jax.lax.optimization_barrier((marks, x))[1]
+    """(x, token): x ordered after the copy starts into `started` (XLA schedules by data alone),
+    and a token that must reach a wait (`_wait_blocks(..., after=token)` or `join_tokens`).
+    The barrier holds a one-element slice of each started cache, not the cache: a cache that
+    passes through a barrier is copied by XLA before its wait (copy insertion, for the wait's
+    in-place output), and that copy would read the buffer while the side stream writes it
+    ("no copy in flight", seen with the host_ffi twin and on the H200). The slices' reads race
+    with the copy, harmlessly: their values are never used. The token is those slices out of the
+    barrier: XLA drops the outputs of an optimization barrier that nothing uses, and with the
+    slices gone the barrier no longer follows the starts (the optimized HLO had one-element
+    barriers of x alone, so the starts could be scheduled anywhere before their waits)."""
+    marks = [jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim) for c in started.values()]  # no reshape (BLOCK_NDIM)
+    marks, x = jax.lax.optimization_barrier((marks, x))
+    return x, join_tokens(*marks)
+
+
+def join_tokens(*tokens) -> jax.Array:
+    """One small f32 array of every element of the (small) tokens given: a wait's `after` that
+    follows all of them. Whole tokens, never a slice of one: XLA folds a slice of a concatenation
+    to the operands it keeps, and an element dropped so is a barrier output unused."""
+    return jnp.concatenate([t.reshape(-1).astype(jnp.float32) for t in tokens if t is not None])
 
 
 def _wait_blocks(plan, cache: dict, src, dst, after) -> dict:
@@ -234,11 +250,9 @@ def _wait_blocks(plan, cache: dict, src, dst, after) -> dict:
     wait after it."""
     if plan.copy_start == "one":  # one start of every payload: one wait
         names = list(cache)
-        out = gather_blocks_wait(tuple(cache[n].reshape(-1, *cache[n].shape[3:]) for n in names), src, dst, after,
-                                 implementation=plan.copy_impl)
-        return {n: o.reshape(cache[n].shape) for n, o in zip(names, out)}
-    return {n: gather_blocks_wait(c.reshape(-1, *c.shape[3:]), src, dst, after,
-                                  implementation=plan.copy_impl).reshape(c.shape) for n, c in cache.items()}
+        out = gather_blocks_wait(tuple(cache[n] for n in names), src, dst, after, implementation=plan.copy_impl)
+        return dict(zip(names, out))
+    return {n: gather_blocks_wait(c, src, dst, after, implementation=plan.copy_impl) for n, c in cache.items()}
 
 
 def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
@@ -264,6 +278,7 @@ class _Fetched(struct.PyTreeNode):
     n_copies: jax.Array
     src: jax.Array       # the copy's task lists (kept alive until its wait)
     dst: jax.Array
+    token: jax.Array | None = None  # a started copy's order token (`_after_start`), for its wait
 
 
 def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos, *, start: bool = False,
@@ -304,18 +319,26 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
     cis_c = lambda cc: None if cc is None else cc.kc[..., 0]
 
-    def project(x, lp, l, ckeys_l, ccis_l, pk_l):
-        """Q/K/V (and NOSA's cis) of the new token; the per-layer device state appended."""
+    def project(x, lp, l, ckeys_l, ccis_l, pk_l, read=None):
+        """Q/K/V (and NOSA's cis) of the new token; the per-layer device state appended. read:
+        what the previous layer's prefetch computed from this layer's compressed keys before
+        the append (its block ids): the appended values pass an optimization barrier with it, so
+        the in-place append follows that read by data; unordered, XLA copied the compressed keys
+        twice to keep the old ones for it."""
         v = {"params": lp}
         h, q, k, vv = layer.apply(v, x, cos, sin, method="project")
         new = {"k": k[:, 0], "v": vv[:, 0]}
-        ckeys_l = ckeys_l.append(k[:, 0], pos)
         if c.has_cis:
             new["cis"] = layer.apply(v, vv, method="cis")[:, 0, :, None]  # [B, K, 1]
-            ccis_l = ccis_l.append(new["cis"], pos)
+        k_c, cis_c_new = new["k"], new.get("cis")
+        if read is not None:  # `read` comes back out: a barrier output nothing uses is dropped, and its order
+            k_c, cis_c_new, read = jax.lax.optimization_barrier((k_c, cis_c_new, read))
+        ckeys_l = ckeys_l.append(k_c, pos)
+        if c.has_cis:
+            ccis_l = ccis_l.append(cis_c_new, pos)
         if pk_l is not None:
             pk_l = pk_l.at[rows, qpos].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), igs[l]))
-        return v, h, q, new, ckeys_l, ccis_l, pk_l
+        return v, h, q, new, ckeys_l, ccis_l, pk_l, read
 
     def select(mode, v, h, h_prev, q, l, kc, cc, pk_l, first):
         sel_in = selector_input(c, mode, plan.dtype, layer, v, h, h_prev, None if sels is None else sels[l],
@@ -334,14 +357,15 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     ccis = state.ccis or (None,) * c.num_layers
     pks = state.pk or (None,) * c.num_layers
     x = embed(params, tokens[:, None], c, plan.dtype)
-    v0, h0, q0, new0, ck0, cc0, pk0 = project(x, at(lps, 0), 0, state.ckeys[0], ccis[0], pks[0])
+    v0, h0, q0, new0, ck0, cc0, pk0, _ = project(x, at(lps, 0), 0, state.ckeys[0], ccis[0], pks[0])
     l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype)) for n, a in state.l0.items()}
     ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
     pre = None
     if prefetch:  # layer 1's copy runs during layer 0's attention and FFN
         pre = prefetch_next(h0, 1, state.table[0], state.cache[0], state.ckeys[1], ccis[1])
         if async_copy:
-            q0 = _after_start(pre.cache, q0)
+            q0, tok = _after_start(pre.cache, q0)
+            pre = pre.replace(token=tok)
     attn = sparse_attention(q0, l0["k"].astype(q0.dtype), l0["v"].astype(q0.dtype), ids0[:, :, None], qpos,
                             block_size=bs, bias=l0["cis"][..., 0] if "cis" in l0 else None)
     x = layer.apply(v0, x, attn, method="finish")
@@ -351,18 +375,24 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         unrolled loop gives the last layer none: nothing is prefetched past it)."""
         x, h_prev, pre = carry
         l = xs["l"]
-        v, h, q, new, ck, cc, pk_l = project(x, xs["lp"], l, xs["ckeys"], xs["ccis"], xs["pk"])
+        v, h, q, new, ck, cc, pk_l, read = project(x, xs["lp"], l, xs["ckeys"], xs["ccis"], xs["pk"],
+                                                   read=pre.ids if prefetch else None)
         if prefetch:
-            own, new_pre = pre, None
+            own, new_pre = pre.replace(ids=read), None
             if "n_cache" in xs:
                 new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
                                         xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers)
             if async_copy:
                 # issue layer l+1's copy before this layer's attention and FFN, then wait for
-                # this layer's (started one layer earlier) as late as possible
+                # this layer's (started one layer earlier) as late as possible: after both starts'
+                # barriers (their tokens) and this layer's projection
+                after = [own.token]
                 if new_pre is not None:
-                    q = _after_start(new_pre.cache, q)
-                own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, q))
+                    q, tok = _after_start(new_pre.cache, q)
+                    new_pre = new_pre.replace(token=tok)
+                    after.append(tok)
+                after.append(q.reshape(-1)[:1])
+                own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, join_tokens(*after)))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
             own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)
@@ -412,8 +442,6 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
                       n_ccis=None if state.ccis is None else jax.tree.map(nxt, tail(state.ccis)))
         (x, _, pre), ys = jax.lax.scan(body, (x, h0, pre), xs)
         ys = {k: (per_layer(v) if k in ("ckeys", "ccis", "pk", "cache") else v) for k, v in ys.items()}
-    if async_copy and pre is not None:  # a prefetch past the last layer had no tasks; its wait retires it
-        x, _ = jax.lax.optimization_barrier((x, _wait_blocks(plan, pre.cache, pre.src, pre.dst, x)))
     stack = lambda a: a if isinstance(a, jax.Array) else jnp.stack(a)
     opt = lambda first, rest: None if first is None else (first,) + tuple(rest)
     new = state.replace(l0=l0, cache=tuple(ys["cache"]), table=stack(ys["table"]), ckeys=(ck0,) + tuple(ys["ckeys"]),
@@ -442,9 +470,10 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
     names = list(state.host)
     staged = tuple(jnp.stack([c[n][bi, hi, slot[i]] for i, c in enumerate(state.cache)])
                    .reshape(l1 * b * kh, *state.host[n].shape[4:]).astype(state.host[n].dtype) for n in names)
-    pools = tuple(state.host[n].reshape(-1, *state.host[n].shape[4:]) for n in names)
-    out = scatter_blocks(staged, src, dst, pools, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
-    return state.replace(host={n: o.reshape(state.host[n].shape) for n, o in zip(names, out)})
+    pools = tuple(state.host[n] for n in names)
+    out = scatter_blocks(staged, src, dst, pools, num_ctas=plan.num_ctas, block_ndim=BLOCK_NDIM,
+                         implementation=plan.copy_impl)
+    return state.replace(host=dict(zip(names, out)))
 
 
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,

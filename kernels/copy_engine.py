@@ -192,9 +192,22 @@ def _register(implementation: str) -> None:
 MAX_PAYLOADS = 4  # kMaxPayloads of copy_tasks.h
 
 
-def _check(pool, src, dst, cache):
-    if pool.shape[1:] != cache.shape[1:]:
-        raise ValueError(f"pool blocks {pool.shape[1:]} and cache slots {cache.shape[1:]} differ")
+def _nd(a, block_ndim) -> int:
+    """Block dims of `a`: the trailing `block_ndim` (None: all but the first)."""
+    nd = a.ndim - 1 if block_ndim is None else block_ndim
+    if not 1 <= nd < a.ndim:
+        raise ValueError(f"block_ndim {block_ndim} leaves no block index dims in shape {a.shape}")
+    return nd
+
+
+def _n_blocks(a, block_ndim) -> int:
+    return int(np.prod(a.shape[:a.ndim - _nd(a, block_ndim)]))
+
+
+def _check(pool, src, dst, cache, block_ndim):
+    bp, bc = pool.shape[pool.ndim - _nd(pool, block_ndim):], cache.shape[cache.ndim - _nd(cache, block_ndim):]
+    if bp != bc:
+        raise ValueError(f"pool blocks {bp} and cache slots {bc} differ")
     if pool.dtype != cache.dtype:
         raise TypeError(f"pool ({pool.dtype}) and cache ({cache.dtype}) dtypes differ")
     if src.shape != dst.shape or src.ndim != 1:
@@ -206,7 +219,7 @@ def _as_tuple(x) -> tuple[tuple, bool]:
     return ((x,), True) if not isinstance(x, (tuple, list)) else (tuple(x), False)
 
 
-def _payloads(pool, cache, src, dst):
+def _payloads(pool, cache, src, dst, block_ndim=None):
     """(pools, caches, one): the payloads as equal tuples, checked; `one` when the caller passed
     single arrays (the result is then a single array too)."""
     pools, one = _as_tuple(pool)
@@ -217,26 +230,35 @@ def _payloads(pool, cache, src, dst):
         raise ValueError(f"a copy takes 1..{MAX_PAYLOADS} payloads, as many pools as caches; got {len(pools)} pools "
                          f"and {len(caches)} caches")
     for p, c in zip(pools, caches):
-        _check(p, src, dst, c)
-    if len({p.shape[0] for p in pools}) > 1 or len({c.shape[0] for c in caches}) > 1:
-        raise ValueError("the payloads of one copy must have the same number of blocks: pools "
-                         f"{[p.shape[0] for p in pools]}, caches {[c.shape[0] for c in caches]}")
+        _check(p, src, dst, c, block_ndim)
+    n_pool, n_cache = [_n_blocks(p, block_ndim) for p in pools], [_n_blocks(c, block_ndim) for c in caches]
+    if len(set(n_pool)) > 1 or len(set(n_cache)) > 1:
+        raise ValueError(f"the payloads of one copy must have the same number of blocks: pools {n_pool}, "
+                         f"caches {n_cache}")
     return pools, caches, one
 
 
-def _gather_one(pool, src, dst, cache):
+def _as_blocks(a, block_ndim):
+    """a viewed as [blocks, *block] (the blocks in row-major order of the leading dims)."""
+    nd = _nd(a, block_ndim)
+    return a.reshape(-1, *a.shape[a.ndim - nd:])
+
+
+def _gather_one(pool, src, dst, cache, block_ndim):
     p = jax.device_put(pool, jax.memory.Space.Device) if _on_host(pool) else pool
+    p, c = _as_blocks(p, block_ndim), _as_blocks(cache, block_ndim)
     ok = (src >= 0) & (src < p.shape[0]) & (dst >= 0)
     rows = p[jnp.clip(src, 0, p.shape[0] - 1)]
-    return cache.at[jnp.where(ok, dst, cache.shape[0])].set(rows, mode="drop")
+    return c.at[jnp.where(ok, dst, c.shape[0])].set(rows, mode="drop").reshape(cache.shape)
 
 
-def gather_blocks_reference(pool, src, dst, cache):
+def gather_blocks_reference(pool, src, dst, cache, *, block_ndim: int | None = None):
     """cache[dst[i]] = pool[src[i]] for every i with both indices in range (a task with a
     negative or too large index is skipped, as the kernels do; in order, later tasks win);
-    payload by payload for tuples."""
-    pools, caches, one = _payloads(pool, cache, src, dst)
-    out = tuple(_gather_one(p, src, dst, c) for p, c in zip(pools, caches))
+    payload by payload for tuples. Blocks are the trailing `block_ndim` dims (None: all but the
+    first), numbered in row-major order of the dims before them."""
+    pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
+    out = tuple(_gather_one(p, src, dst, c, block_ndim) for p, c in zip(pools, caches))
     return out[0] if one else out
 
 
@@ -257,15 +279,16 @@ def _resolve(implementation):
     return implementation
 
 
-def _block_bytes(arrays) -> np.ndarray:
-    return np.array([int(np.prod(a.shape[1:])) * jnp.dtype(a.dtype).itemsize for a in arrays], np.int64)
+def _block_bytes(arrays, block_ndim=None) -> np.ndarray:
+    return np.array([int(np.prod(a.shape[a.ndim - _nd(a, block_ndim):])) * jnp.dtype(a.dtype).itemsize
+                     for a in arrays], np.int64)
 
 
-def lane_ctas(num_ctas: int, caches) -> list[int]:
+def lane_ctas(num_ctas: int, caches, *, block_ndim: int | None = None) -> list[int]:
     """The CTA quota split over payloads copied side by side (one `gather_blocks_start` each, on
     lanes of their own), by their bytes per block: K and V half each, NOSA's 256-byte cis one
     CTA; at least one each."""
-    sizes = _block_bytes(caches)
+    sizes = _block_bytes(caches, block_ndim)
     return [max(1, round(num_ctas * int(b) / int(sizes.sum()))) for b in sizes]
 
 
@@ -290,23 +313,27 @@ def _copy_call(target: str, src, dst, froms, tos, *, host_result=False, **attrs)
 
 
 def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = COPY_THREADS, group: int = COPY_GROUP,
-                  implementation: str | None = None):
+                  block_ndim: int | None = None, implementation: str | None = None):
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
     (device) -> the updated cache; or tuples of pools and caches (payloads, one launch) -> the
     tuple of caches. Blocks are whole trailing dims; their byte size must be a multiple of 16
-    for "cuda"."""
+    for "cuda". block_ndim: with it, pool and cache may be [..., *block] (the last block_ndim
+    dims a block; blocks numbered in row-major order of the dims before them), passed to the
+    custom call as they are: a reshape around an aliased custom call made XLA copy the whole
+    cache before it and again after (copy insertion does not see through the bitcast)."""
     implementation = _resolve(implementation)
     if implementation == "xla":
-        return gather_blocks_reference(pool, src, dst, cache)
-    pools, caches, one = _payloads(pool, cache, src, dst)
+        return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
+    pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
     _register(implementation)
     out = _copy_call("sparda_gather_blocks", src, dst, pools, caches, num_ctas=np.int32(num_ctas),
-                     block_bytes=_block_bytes(caches), threads=np.int32(threads), group=np.int32(group))
+                     block_bytes=_block_bytes(caches, block_ndim), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out
 
 
 def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: bool = True, lane: int = 0,
-                        threads: int = COPY_THREADS, group: int = COPY_GROUP, implementation: str | None = None):
+                        threads: int = COPY_THREADS, group: int = COPY_GROUP, block_ndim: int | None = None,
+                        implementation: str | None = None):
     """Start `gather_blocks`; returns the cache (or tuple of caches) being written. Nothing may
     read it before `gather_blocks_wait(cache, src, dst, after)` with the same src and dst.
     resident: XLA's stream goes on only once every copy CTA holds its SM (else a persistent GEMM
@@ -316,27 +343,28 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
     its buffer between start and wait inside the engine's jit on the H200."""
     implementation = _resolve(implementation)
     if implementation == "xla":
-        return gather_blocks_reference(pool, src, dst, cache)
-    pools, caches, one = _payloads(pool, cache, src, dst)
+        return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
+    pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
     _register(implementation)
     out = _copy_call("sparda_gather_start", src, dst, pools, caches,
-                     num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches), resident=np.int32(resident),
+                     num_ctas=np.int32(num_ctas), block_bytes=_block_bytes(caches, block_ndim), resident=np.int32(resident),
                      lane=np.int32(lane), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out
 
 
-def gather_blocks_dma_start(pool, src, dst, cache, *, lane: int = 0, implementation: str | None = None):
+def gather_blocks_dma_start(pool, src, dst, cache, *, lane: int = 0, block_ndim: int | None = None,
+                            implementation: str | None = None):
     """EXPERIMENT, not used by the engine: `gather_blocks_start` through the DMA copy engines
     (cudaMemcpyBatchAsync, one copy per block and payload; no SM is used). Its task lists must be
     on the host first, so the start waits for XLA's stream to produce them (a host-side sync).
     Completed by `gather_blocks_wait`."""
     implementation = _resolve(implementation)
     if implementation == "xla":
-        return gather_blocks_reference(pool, src, dst, cache)
-    pools, caches, one = _payloads(pool, cache, src, dst)
+        return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
+    pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
     _register(implementation)
     out = _copy_call("sparda_gather_dma_start", src, dst, pools, caches, num_ctas=np.int32(1),
-                     block_bytes=_block_bytes(caches), lane=np.int32(lane))
+                     block_bytes=_block_bytes(caches, block_ndim), lane=np.int32(lane))
     return out[0] if one else out
 
 
@@ -409,34 +437,35 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
     return out[0] if one else out
 
 
-def _scatter_one(cache, src, dst, pool):
+def _scatter_one(cache, src, dst, pool, block_ndim):
     on_host = _on_host(pool)
     p = jax.device_put(pool, jax.memory.Space.Device) if on_host else pool
-    ok = (src >= 0) & (src < cache.shape[0]) & (dst >= 0)
-    rows = cache[jnp.clip(src, 0, cache.shape[0] - 1)].astype(p.dtype)
-    p = p.at[jnp.where(ok, dst, p.shape[0])].set(rows, mode="drop")
+    p, c = _as_blocks(p, block_ndim), _as_blocks(cache, block_ndim)
+    ok = (src >= 0) & (src < c.shape[0]) & (dst >= 0)
+    rows = c[jnp.clip(src, 0, c.shape[0] - 1)].astype(p.dtype)
+    p = p.at[jnp.where(ok, dst, p.shape[0])].set(rows, mode="drop").reshape(pool.shape)
     return jax.device_put(p, jax.memory.Space.Host) if on_host else p
 
 
-def scatter_blocks_reference(cache, src, dst, pool):
+def scatter_blocks_reference(cache, src, dst, pool, *, block_ndim: int | None = None):
     """pool[dst[i]] = cache[src[i]] for every i with both indices in range (later tasks win);
-    payload by payload for tuples."""
-    pools, caches, one = _payloads(pool, cache, dst, src)
-    out = tuple(_scatter_one(c, src, dst, p) for c, p in zip(caches, pools))
+    payload by payload for tuples (blocks as in `gather_blocks_reference`)."""
+    pools, caches, one = _payloads(pool, cache, dst, src, block_ndim)
+    out = tuple(_scatter_one(c, src, dst, p, block_ndim) for c, p in zip(caches, pools))
     return out[0] if one else out
 
 
 def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = COPY_THREADS, group: int = COPY_GROUP,
-                   implementation: str | None = None):
+                   block_ndim: int | None = None, implementation: str | None = None):
     """cache [n_slots, *block] (device), src/dst int32 [n], pool [n_pool, *block] (pinned host
     for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]; or tuples (payloads, one launch)
     -> the tuple of pools. "cuda" writes only those blocks, over UVA, into the pool's own memory
     (it is aliased to the output); the reference moves the whole pool to the device and back."""
     implementation = _resolve(implementation)
     if implementation == "xla":
-        return scatter_blocks_reference(cache, src, dst, pool)
-    pools, caches, one = _payloads(pool, cache, dst, src)
+        return scatter_blocks_reference(cache, src, dst, pool, block_ndim=block_ndim)
+    pools, caches, one = _payloads(pool, cache, dst, src, block_ndim)
     _register(implementation)
     out = _copy_call("sparda_scatter_blocks", src, dst, caches, pools, host_result=True, num_ctas=np.int32(num_ctas),
-                     block_bytes=_block_bytes(caches), threads=np.int32(threads), group=np.int32(group))
+                     block_bytes=_block_bytes(caches, block_ndim), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out

@@ -38,7 +38,15 @@ json.dump({'name': 'copy_pipeline', 'environment': environment(), 'command': 'gp
       timeout 150 python3 -c "
 from sparda_jax.bench.copy import bench_pipeline, pipeline_table
 print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), starts=('lanes', 'one'), repeats=3)))"
+      python3 scripts/probes/hlo_order.py "$OUT/hlo"   # the schedule of starts (S), waits (W), GEMMs, copies
       tar czf "$OUT/hlo_pipeline.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
+    hlo-decode)  # the same for the engine's SparDA decode step (batch 16, 128K, 4 layers): where XLA put
+                 # each layer's starts, waits and GEMMs, and whether it copies a started cache (~90 s)
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo_decode --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*engine_decode.*" \
+      timeout 200 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 16 --modes sparda \
+        --budget-s 60 --repeats 2 --out "$OUT/decode_hlo_run.json" 2>&1 | tail -4
+      python3 scripts/probes/hlo_order.py "$OUT/hlo_decode"
+      tar czf "$OUT/hlo_decode.tgz" -C "$OUT" hlo_decode && rm -rf "$OUT/hlo_decode" ;;
     decode-one)  # the claims' rows with K and V in one start (copy_start "one"), overlap timings included;
                  # compare with decode-overlap's two-lane rows run in the same call
       timeout 380 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 16 --modes sparda \

@@ -1,0 +1,151 @@
+"""The device probes' CPU-side helpers: what they print from a run must be right, since the run
+itself happens once, on a GPU this machine does not have."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / "probes" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+HLO = """HloModule jit_fn, is_scheduled=true
+
+%fused (p0: bf16[16,16]) -> bf16[16,16] {
+  %p0 = bf16[16,16]{1,0} parameter(0)
+  ROOT %t = bf16[16,16]{1,0} tanh(%p0)
+}
+
+ENTRY %main (a: s32[8], b: s32[8], p: bf16[8,64,128]) -> (bf16[8,64,128]) {
+  %a = s32[8]{0} parameter(0)
+  %b = s32[8]{0} parameter(1)
+  %p = bf16[8,64,128]{2,1,0} parameter(2)
+  %s = bf16[8,64,128]{2,1,0} custom-call(%a, %b, %p), custom_call_target="sparda_gather_start", backend_config={lane = 1 : i32, num_ctas = 8 : i32}
+  %kv = (bf16[8,64,128]{2,1,0}, bf16[8,64,128]{2,1,0}) custom-call(%a, %b, %p, %p), custom_call_target="sparda_gather_start", backend_config={lane = 0 : i32}
+  %v = bf16[8,64,128]{2,1,0} get-tuple-element(%kv), index=1
+  %c = bf16[8,64,128]{2,1,0} copy(%s)
+  %cv = bf16[8,64,128]{2,1,0} copy(%v)
+  %f = bf16[16,16]{1,0} fusion(%a), kind=kLoop, calls=%fused
+  %g = bf16[16,16]{1,0} custom-call(%f, %f), custom_call_target="__cublas$gemm"
+  %w = bf16[8,64,128]{2,1,0} custom-call(%a, %b, %g, %s), custom_call_target="sparda_gather_wait"
+  %c2 = bf16[8,64,128]{2,1,0} copy(%w)
+  %m = bf16[16,16]{1,0} custom-call(%g), custom_call_target="sparda_mark", backend_config={id = 3 : i32}
+  %o = (bf16[16,16]{1,0}, bf16[8,64,128]{2,1,0}) opt-barrier(%m, %c2)
+  ROOT %r = (bf16[8,64,128]{2,1,0}) tuple(%c2)
+}
+"""
+
+
+def test_hlo_order_reads_the_schedule_and_flags_copies_of_started_buffers():
+    hlo = _load("hlo_order")
+    seq, counts = hlo.order(HLO)
+    # a copy of a buffer a start wrote, before its wait (also through a tuple element), is COPY!;
+    # after the wait it is an ordinary COPY
+    assert seq == ["S1", "S*", "COPY!", "COPY!", "f", "gemm", "W", "COPY", "M3", "|"]
+    assert counts["COPY!"] == 2 and counts["S1"] == 1
+    assert hlo._compact(["f", "f", "S0", "f", "W"]) == "f*2 S0 f W"
+
+
+def test_overlap_summary_tables_a_run(tmp_path, monkeypatch):
+    """The probe's JSON lines -> one JSON with its runs and a table with total / max and / sum
+    against the cases alone (a run cut short, or a line that is not JSON, still reads)."""
+    summ = _load("overlap_summary")
+    lines = [{"header": True, "sms": 132, "driver": 13000, "CUDA_DEVICE_MAX_CONNECTIONS": ""},
+             {"case": "spin_alone", "work": "spin", "copies": 0, "ctas": 1, "copy_first": True, "copy_ms": 0.0,
+              "work_ms": 1.0, "total_ms": 1.0},
+             {"case": "two_spins", "work": "spin", "copies": -1, "ctas": 1, "copy_first": True, "copy_ms": 2.0,
+              "work_ms": 1.0, "total_ms": 2.0},
+             {"case": "copy_alone", "work": "none", "copies": 1, "ctas": 16, "copy_first": True, "copy_ms": 1.5,
+              "work_ms": 0.0, "total_ms": 1.5},
+             {"case": "work_alone", "work": "cublas", "copies": 0, "ctas": 16, "copy_first": True, "copy_ms": 0.0,
+              "work_ms": 1.0, "total_ms": 1.0},
+             {"case": "together", "work": "cublas", "copies": 1, "ctas": 16, "copy_first": True, "copy_ms": 1.5,
+              "work_ms": 2.5, "total_ms": 2.5}]
+    f = tmp_path / "overlap_probe_inherited.jsonl"
+    f.write_text("\n".join(json.dumps(x) for x in lines) + "\nnot json\n")
+    run = summ.load(str(f))
+    assert run["run"] == "inherited" and run["sms"] == 132 and len(run["cases"]) == 5
+    rows = {r.split()[0] + r.split()[1]: r.split() for r in summ.table(run).splitlines()[2:]}
+    assert rows["two_spinsspin"][-2:] == ["2.00", "1.00"]          # two spins one after the other
+    assert rows["togethercublas"][-2:] == ["1.67", "1.00"]         # total = copy + work: no overlap
+
+
+def test_hlo_unordered_starts_sees_a_dropped_barrier():
+    """A start whose slice reaches an opt-barrier is ordered; one whose slice was dropped is not."""
+    hlo = _load("hlo_order")
+    text = """ENTRY %m {
+  %s0 = f32[8,4]{1,0} custom-call(%a, %b, %p, %c0), custom_call_target="sparda_gather_start"
+  %s1 = f32[8,4]{1,0} custom-call(%a, %b, %p, %c1), custom_call_target="sparda_gather_start"
+  %m0 = f32[1,1]{1,0} fusion(%s0), kind=kLoop, calls=%sl
+  %m1 = f32[1,1]{1,0} fusion(%s1), kind=kLoop, calls=%sl
+  %t = (f32[1,1]{1,0}, f32[2]{0}) tuple(%m0, %x)
+  %ob = (f32[1,1]{1,0}, f32[2]{0}) opt-barrier(%t)
+  %w0 = f32[8,4]{1,0} custom-call(%a, %b, %ob, %s0), custom_call_target="sparda_gather_wait"
+  %w1 = f32[8,4]{1,0} custom-call(%a, %b, %m1, %s1), custom_call_target="sparda_gather_wait"
+}
+"""
+    assert hlo.unordered_starts(text) == (2, ["s1"])
+
+
+def test_every_copy_start_is_ordered_and_no_state_buffer_is_copied(tmp_path):
+    """The engine's SparDA step (CPU twin of the CUDA calls, K and V on two lanes and in one
+    start) and the prefetch microbenchmark, compiled by XLA: before copy insertion every start's
+    slice still reaches its optimization barrier (XLA drops barrier outputs nothing uses, and
+    until this was found none of the engine's starts was ordered: XLA could schedule each start
+    just before its wait, with nothing beside the copy); and the optimized step copies no cache,
+    pool or compressed-key buffer (a reshape around an aliased call, and an append unordered
+    with the prefetch's read of the old keys, had made XLA copy them every step)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest = __import__("pytest")
+    pytest.importorskip("sparda_jax.kernels.copy_engine").build_host_library()
+    dump = tmp_path / "hlo"
+    code = f"""
+import sys; sys.path.insert(0, {str(ROOT / 'tests')!r})
+import jax, jax.numpy as jnp
+import test_engine as te
+from sparda_jax.infer.engine import engine_prefill, decode_plan, _engine_decode
+from sparda_jax.bench.copy import bench_pipeline
+params, forecast, ig = te._make(te.TINY)
+cfg, b, t0 = te.TINY, 2, 70
+tokens = jax.random.randint(jax.random.key(4), (b, t0 + 20), 0, cfg.vocab_size)
+lengths = jnp.array([t0, t0 - 11], jnp.int32)
+prompt = jnp.where(jnp.arange(t0)[None] < lengths[:, None], tokens[:, :t0], 0)
+for start in ("lanes", "one"):
+    _, st = engine_prefill(params, prompt, lengths, cfg, mode="sparda", cache_size=t0 + 20, forecast=forecast)
+    plan = decode_plan(cfg, "sparda", st.cache, copy_impl="host_ffi", copy_start=start)
+    _engine_decode.lower(params, tokens[jnp.arange(b), lengths], lengths, st, forecast, None, plan=plan).compile()
+bench_pipeline(layers=3, blocks=(8,), ctas=(2,), threads=(256,), starts=("lanes",), compute_ms=0.0, pool_mib=1,
+               dims=(64, 128), repeats=1, implementation="host_ffi", log=lambda m: None)
+"""
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=copy-insertion "
+                                     "--xla_dump_hlo_module_re=.*(engine_decode|fn).*")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    hlo = _load("hlo_order")
+    before = sorted(dump.glob("*before_copy-insertion.txt"))
+    checked = 0
+    for f in before:
+        n, bad = hlo.unordered_starts(f.read_text())
+        assert not bad, (f.name, n, bad)
+        checked += n
+    assert checked >= 2 * 4 + 2 * 2, checked  # the engine's starts (lanes, then one start) and the pipeline's
+    for f in dump.glob("*engine_decode*after_optimizations.txt"):
+        text = f.read_text()
+        entry = text[text.index("\nENTRY"):]
+        # caches, pools and compressed keys: float, 4-6 dims (the int32 slot table, [L-1, B, K, n_slots], is
+        # still copied once a step: rebuilt by a stack of the layers' new rows; 0.4 MB at batch 16, 128K)
+        big = [m for m in re.findall(r"= ((?:f32|bf16|f16)\[[\d,]+\])\{[^}]*\} copy\(", entry)
+               if len(m.split("[")[1].split(",")) >= 4]
+        assert not big, (f.name, big)

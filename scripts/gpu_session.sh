@@ -34,15 +34,15 @@ json.dump({'name': 'copy_pipeline', 'environment': environment(), 'command': 'gp
            'pipeline': r}, open(os.environ['OUT'] + '/copy_pipeline_timeline.json', 'w'), indent=1)" 2>&1 | grep -v "^\[pipeline\]" ;;
     hlo-pipeline)  # where XLA's GPU scheduler puts the copy starts and waits: the optimized HLO (after
                    # scheduling) of the prefetch microbenchmark's programs, one config, tarred (~40 s)
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*fn.*" \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*fn.* --xla_dump_hlo_pass_re=copy-insertion" \
       timeout 150 python3 -c "
 from sparda_jax.bench.copy import bench_pipeline, pipeline_table
 print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), starts=('lanes', 'one'), repeats=3)))"
-      python3 scripts/probes/hlo_order.py "$OUT/hlo"   # the schedule of starts (S), waits (W), GEMMs, copies
+      python3 scripts/probes/hlo_order.py "$OUT/hlo"   # schedule of starts (S), waits (W), GEMMs, copies; starts ordered
       tar czf "$OUT/hlo_pipeline.tgz" -C "$OUT" hlo && rm -rf "$OUT/hlo" ;;
     hlo-decode)  # the same for the engine's SparDA decode step (batch 16, 128K, 4 layers): where XLA put
                  # each layer's starts, waits and GEMMs, and whether it copies a started cache (~90 s)
-      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo_decode --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*engine_decode.*" \
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo_decode --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*engine_decode.* --xla_dump_hlo_pass_re=copy-insertion" \
       timeout 200 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 16 --modes sparda \
         --budget-s 60 --repeats 2 --out "$OUT/decode_hlo_run.json" 2>&1 | tail -4
       python3 scripts/probes/hlo_order.py "$OUT/hlo_decode"

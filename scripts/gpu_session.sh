@@ -99,6 +99,10 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       timeout 330 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \
         --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --profile-steps 3 --budget-s 250 \
         --out "$OUT/decode_profile.json" 2>&1 | tail -80 ;;
+    decode-others)  # the systems the budgeted decode stage never reached (Dense+, Sparse+, InfiniGen), 128K,
+                    # batch 4 / 8 / 16, random traffic; their own JSON (~250 s)
+      timeout 330 python3 -m sparda_jax.cli bench decode --modes dense_resident sparse_resident infinigen \
+        --batches 4 8 16 --budget-s 260 --out "$OUT/decode_others.json" 2>&1 | tail -16 ;;
     decode-claims)  # the claims' pairs at 128K, batch 8 and 16, the paper's CTA heuristic, random traffic and
                     # SmolLM2's miss rates (measured by the decode stage's real_miss_rate, decode.json)
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 \

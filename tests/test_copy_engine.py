@@ -278,6 +278,32 @@ def test_host_ffi_twin_equals_the_reference():
 
 
 @needs_cxx
+def test_blocks_as_trailing_dims():
+    """block_ndim: pools and caches of any leading shape, blocks numbered in row-major order of
+    the leading dims (as the engine passes its [B, K, n_slots, bs, X] caches and [L-1, B, K, nb,
+    bs, X] pools, unreshaped) - the reference and the twin against NumPy on the flattened view."""
+    pool, src, dst, cache = _case(21, n_pool=48, n_slots=12, block=(8, 16), dtype=jnp.float32)
+    pool5, cache5 = pool.reshape(2, 3, 8, 8, 16), cache.reshape(2, 2, 3, 8, 16)
+    want = np.asarray(cache).copy()
+    for s_, d_ in zip(np.asarray(src), np.asarray(dst)):
+        if s_ >= 0:
+            want[d_] = np.asarray(pool)[s_]
+    for impl in ("xla", "host_ffi"):
+        got = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, block_ndim=2, implementation=impl))(
+            pool5, src, dst, cache5)
+        assert got.shape == cache5.shape
+        np.testing.assert_array_equal(np.asarray(got).reshape(want.shape), want, err_msg=impl)
+        back = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, block_ndim=2, implementation=impl))(
+            cache5, dst, src, pool5)
+        np.testing.assert_array_equal(np.asarray(back), np.asarray(
+            scatter_blocks_reference(cache, dst, src, pool)).reshape(pool5.shape), err_msg=impl)
+    with pytest.raises(ValueError, match="pool blocks"):
+        gather_blocks(pool5, src, dst, cache5, block_ndim=3, implementation="xla")  # (8, 8, 16) vs (3, 8, 16)
+    with pytest.raises(ValueError, match="no block index dims"):
+        gather_blocks(pool5, src, dst, cache5, block_ndim=5, implementation="xla")
+
+
+@needs_cxx
 def test_host_ffi_twin_moves_payloads_in_one_call():
     pools, src, dst, caches = _payload_case(13)
     src, dst = _out_of_range(src, dst, 40, 12)

@@ -35,3 +35,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Every test module's compiled programs are released after it. XLA's CPU executables keep
+    their JIT-compiled code mapped, and the whole suite in one process approached Linux's limit
+    of 65530 memory maps per process (vm.max_map_count): past it, a late compile in test_train
+    died with a segmentation fault (an mmap that fails inside LLVM)."""
+    yield
+    jax.clear_caches()

@@ -46,6 +46,18 @@
 
 namespace ffi = xla::ffi;
 
+// The leading operands of every copy handler but the wait: XLA's stream, the task lists src/dst (int32
+// [n]), then per payload its `from` buffer x n and the aliased `to` inputs x n, and the `to`
+// results x n (gather: pools -> caches; write-back: caches -> pools). Attributes follow.
+static auto copy_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::S32>>()   // src
+      .Arg<ffi::Buffer<ffi::S32>>()   // dst
+      .RemainingArgs()
+      .RemainingRets();
+}
+
 static ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
@@ -120,12 +132,7 @@ static ffi::Error CopyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .RemainingArgs()                // pools (pinned host) x n, caches x n (aliased)
-                                  .RemainingRets()                // caches x n
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("threads")
@@ -306,12 +313,7 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .RemainingArgs()                // pools x n, caches x n (aliased)
-                                  .RemainingRets()                // caches x n, being written
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident")
@@ -376,12 +378,7 @@ static ffi::Error GatherDmaStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> 
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherDmaStart, GatherDmaStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .RemainingArgs()                // pools x n, caches x n (aliased)
-                                  .RemainingRets()                // caches x n, being written
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("lane"));
@@ -483,13 +480,9 @@ extern "C" void sparda_trace_reset() {
 
 // ---------------------------------------------------------------- write-back into the host pool
 
+// src: the cache slot of each task, dst: its pool block; from = caches, to = pools (aliased)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst: pool block per task
-                                  .RemainingArgs()                // caches x n, pools x n (pinned host, aliased)
-                                  .RemainingRets()                // pools x n
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("threads")

@@ -21,6 +21,17 @@
 
 namespace ffi = xla::ffi;
 
+// The leading operands of every copy handler but the wait: the task lists src/dst (int32
+// [n]), then per payload its `from` buffer x n and the aliased `to` inputs x n, and the `to`
+// results x n (gather: pools -> caches; write-back: caches -> pools). Attributes follow.
+static auto copy_binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::S32>>()   // src
+      .Arg<ffi::Buffer<ffi::S32>>()   // dst
+      .RemainingArgs()
+      .RemainingRets();
+}
+
 namespace {
 
 std::mutex g_mu;
@@ -75,11 +86,7 @@ static ffi::Error CopyImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, CopyImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .RemainingArgs()                // pools x n, caches x n (aliased)
-                                  .RemainingRets()                // caches x n
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("threads")
@@ -109,11 +116,7 @@ static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S3
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .RemainingArgs()                // pools x n, caches x n (aliased)
-                                  .RemainingRets()                // caches x n, "being written"
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("resident")
@@ -129,11 +132,7 @@ static ffi::Error GatherDmaStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi:
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherDmaStartHost, GatherDmaStartImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .RemainingArgs()                // pools x n, caches x n (aliased)
-                                  .RemainingRets()                // caches x n
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("lane"));
@@ -173,12 +172,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWaitHost, GatherWaitImpl,
                                   .RemainingArgs()                // caches being written x n (aliased)
                                   .RemainingRets());              // caches, complete
 
+// src: the cache slot of each task, dst: its pool block; from = caches, to = pools (aliased)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src: cache slot per task
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst: pool block per task
-                                  .RemainingArgs()                // caches x n, pools x n (aliased)
-                                  .RemainingRets()                // pools x n
+                              copy_binding()
                                   .Attr<int32_t>("num_ctas")
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("threads")

@@ -63,7 +63,7 @@ def _symbol(opcode: str, rest: str, rtype: str) -> str | None:
 
 def order(text: str) -> tuple[list[str], dict]:
     """The ENTRY's schedule as symbols, and counts; COPY! for a copy of a started buffer."""
-    produced, started, out = {}, set(), []
+    started, out = set(), []
     for line in _entry(text):
         m = _INSTR.match(line)
         if not m:
@@ -79,7 +79,6 @@ def order(text: str) -> tuple[list[str], dict]:
             started.difference_update(operands)
         if sym == "COPY" and any(o in started for o in operands):
             sym = "COPY!"
-        produced[name] = sym
         if sym:
             out.append(sym)
     counts = {}

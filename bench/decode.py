@@ -57,7 +57,7 @@ from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDEN
 from sparda_jax.modes import decode_step
 from sparda_jax.kernels.copy_engine import unaliased_copies
 
-__all__ = ["bench_decode", "bench_cta", "decode_config", "real_miss_rate", "table", "cta_table", "plot"]
+__all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_miss_rate", "table", "cta_table", "plot"]
 
 MODES = ("dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda")
 LABELS = {"dense_resident": "Dense+", "sparse_resident": "Sparse+", "sparse": "Sparse", "infinigen": "InfiniGen",
@@ -180,7 +180,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     n_rep = int(round(reuse_fraction * batch))
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
            "variant": "random" if n_rep == 0 else f"reuse={n_rep / batch:.2f}",
-           "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group, "copy_start": copy_start}
+           "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group, "copy_start": copy_start,
+           "layers_timed": cfg.num_layers}
     feas = feasibility(full, mode, batch=batch, context=context, weights=ctx.weights_full)
     rec["feasibility"] = {k: feas[k] for k in ("fits", "reason", "host_need_bytes", "device_need_bytes",
                                                "host_bytes", "device_limit_bytes", "layers")}
@@ -292,6 +293,33 @@ def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
     return cache_l
 
 
+def marginal(hi: dict, lo: dict, *, full_layers: int) -> dict:
+    """A full-model step from two layer counts (rows `hi` and `lo` of one configuration, timed
+    with L_hi > L_lo layers): every layer after the first few costs the same, so
+        per_layer = (step(L_hi) - step(L_lo)) / (L_hi - L_lo)
+        step(full) ~ step(L_hi) + (full - L_hi) * per_layer.
+    Scaling step(L_hi) by full / L_hi instead counts the step's fixed costs (embedding, LM head,
+    the resident layer 0, the host's dispatch) and, with prefetch, the pipeline's fill and drain
+    (the first copy has only layer 0 to hide behind, the last layer's compute nothing) full / L_hi
+    times. The same difference of the overlap's three timings gives a layer's compute alone, copy
+    alone and both."""
+    lh, ll = hi["layers_timed"], lo["layers_timed"]
+    if not lh > ll >= 1:
+        raise ValueError(f"marginal: need layers_timed hi > lo >= 1, got {lh} and {ll}")
+    per = (hi["step_seconds"] - lo["step_seconds"]) / (lh - ll)
+    step = hi["step_seconds"] + (full_layers - lh) * per
+    out = {"layers": [ll, lh], "scaled_to": full_layers, "step_seconds_lo": lo["step_seconds"],
+           "per_layer_seconds": per, "step_seconds_extrapolated": step,
+           "tokens_per_s_extrapolated": hi["batch"] / step if step > 0 else None,
+           "miss_rate_lo": lo.get("miss_rate")}
+    if "overlap" in hi and "overlap" in lo:
+        d = {k: (hi["overlap"][k] - lo["overlap"][k]) / (lh - ll)
+             for k in ("compute_alone_s", "copy_alone_s", "both_s")}
+        out["overlap_per_layer"] = {**d, "ratio_to_max": d["both_s"] / max(d["compute_alone_s"], d["copy_alone_s"]),
+                                    "ratio_to_sum": d["both_s"] / (d["compute_alone_s"] + d["copy_alone_s"])}
+    return out
+
+
 def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, *, steps: int, warmup: int,
              copy_impl, num_ctas, copy_group: int = 1, copy_start: str = "lanes") -> dict:
     """The issue's overlap measurement, in the same run as the row: the row's steps with every
@@ -372,29 +400,45 @@ def _ok(rows, **kw):
     return [r for r in rows if r.get("status") == "ok" and all(r.get(k) == v for k, v in kw.items())]
 
 
+def _tokens_per_s(x, estimate):
+    """A row's full-model tokens/s by an estimate: "scaled" (step x full / timed layers) or
+    "marginal" (`marginal`); None where the row has no such estimate."""
+    if estimate == "scaled":
+        return x["tokens_per_s"]
+    return x.get("marginal", {}).get("tokens_per_s_extrapolated")
+
+
+ESTIMATES = {"scaled": "", "marginal": " (marginal-layer estimate)"}
+
+
 def _claims(r):
     rows = r["rows"]
     out = []
-    for t in sorted({x["T"] for x in rows}, reverse=True)[:1]:  # the longest context
-        a = {x["mode"]: x for x in _ok(rows, T=t, batch=8, variant="random")}
-        if "sparda" in a and "sparse" in a:
-            v = a["sparda"]["tokens_per_s"] / a["sparse"]["tokens_per_s"]
-            out.append({"claim": f"decode T={t} B=8: SparDA / Sparse tokens/s", "value": v,
-                        "target": SPEEDUP_TARGET, "met": bool(v >= SPEEDUP_TARGET),
-                        "sparda_miss_rate": a["sparda"]["miss_rate"], "sparse_miss_rate": a["sparse"]["miss_rate"]})
-        for b in sorted({x["batch"] for x in rows if x["batch"] >= PREFETCH_MIN_BATCH}):
-            a = {x["mode"]: x for x in _ok(rows, T=t, batch=b, variant="random")}
-            if "sparda" in a and "sparda_sync" in a:
-                v = a["sparda"]["tokens_per_s"] / a["sparda_sync"]["tokens_per_s"]
-                out.append({"claim": f"decode T={t} B={b}: SparDA / SparDA-no-prefetch tokens/s", "value": v,
-                            "target": 1.0, "met": bool(v > 1.0)})
+    for est, suffix in ESTIMATES.items():
+        for t in sorted({x["T"] for x in rows}, reverse=True)[:1]:  # the longest context
+            a = {x["mode"]: x for x in _ok(rows, T=t, batch=8, variant="random")}
+            if "sparda" in a and "sparse" in a and _tokens_per_s(a["sparse"], est) and _tokens_per_s(a["sparda"], est):
+                v = _tokens_per_s(a["sparda"], est) / _tokens_per_s(a["sparse"], est)
+                out.append({"claim": f"decode T={t} B=8: SparDA / Sparse tokens/s{suffix}", "value": v,
+                            "target": SPEEDUP_TARGET, "met": bool(v >= SPEEDUP_TARGET), "estimate": est,
+                            "sparda_miss_rate": a["sparda"]["miss_rate"], "sparse_miss_rate": a["sparse"]["miss_rate"]})
+            for b in sorted({x["batch"] for x in rows if x["batch"] >= PREFETCH_MIN_BATCH}):
+                a = {x["mode"]: x for x in _ok(rows, T=t, batch=b, variant="random")}
+                if ("sparda" in a and "sparda_sync" in a and _tokens_per_s(a["sparda"], est)
+                        and _tokens_per_s(a["sparda_sync"], est)):
+                    v = _tokens_per_s(a["sparda"], est) / _tokens_per_s(a["sparda_sync"], est)
+                    out.append({"claim": f"decode T={t} B={b}: SparDA / SparDA-no-prefetch tokens/s{suffix}",
+                                "value": v, "target": 1.0, "met": bool(v > 1.0), "estimate": est})
     for x in _ok(rows, mode="sparda"):
-        if "overlap" in x:
-            v = x["overlap"]["ratio_to_max"]
-            out.append({"claim": f"decode T={x['T']} B={x['batch']} {x['variant']}: decode step with prefetch / "
+        for est, o in (("scaled", x.get("overlap")), ("marginal", x.get("marginal", {}).get("overlap_per_layer"))):
+            if o is None:
+                continue
+            what = "decode step" if est == "scaled" else "decode layer (marginal: layers timed hi - lo)"
+            v = o["ratio_to_max"]
+            out.append({"claim": f"decode T={x['T']} B={x['batch']} {x['variant']}: {what} with prefetch / "
                                  "max(compute alone, copy alone)", "value": v, "target": OVERLAP_TARGET,
-                        "met": bool(v <= OVERLAP_TARGET),
-                        "target_note": f"<= {OVERLAP_TARGET}", "overlap": x["overlap"]})
+                        "met": bool(v <= OVERLAP_TARGET), "estimate": est,
+                        "target_note": f"<= {OVERLAP_TARGET}", "overlap": o})
     best = {}
     for t in sorted({x["T"] for x in rows}):
         for m in r["config"]["modes"]:
@@ -403,6 +447,7 @@ def _claims(r):
             if ok:
                 x = max(ok, key=lambda x: x["tokens_per_s"])
                 best.setdefault(str(t), {})[m] = {"batch": x["batch"], "tokens_per_s": x["tokens_per_s"],
+                                                  "tokens_per_s_marginal": _tokens_per_s(x, "marginal"),
                                                   "largest_feasible_batch_tried": max(fits) if fits else None}
     return out, best
 
@@ -412,13 +457,18 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
                  with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, copy_group: int = 1,
-                 copy_start: str = "lanes", seed: int = 0, out=None, log=None) -> dict:
+                 copy_start: str = "lanes", marginal_layers: int | None = None,
+                 validate_layers: int | None = None, seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
     (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the rows (random
     traffic and reuse variants) of sparda and sparda_sync among the claims' pairs, also time the
     step without its copies and the copies alone (rec["overlap"], `_overlap`), and claim
-    sparda's step <= 1.1 x the larger."""
+    sparda's step <= 1.1 x the larger.
+    marginal_layers: also time every claims' row with that many layers (fewer than `layers`) and
+    estimate the full model's step from the two (`marginal`, rec["marginal"]); the claims are then
+    also made on that estimate. validate_layers: time the batch-8 claim's rows with that many
+    layers (more than `layers`) too and compare with the estimate's prediction for them."""
     log = log or _log_default
     modes = tuple(modes)
     budget = Budget(budget_s)
@@ -438,10 +488,19 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
     ctx = _Ctx(preset, layers, modes, seed, log)
+    for n, lo_ok in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
+        if lo_ok is not None and not 1 <= lo_ok <= ctx.full.num_layers:
+            raise ValueError(f"{n}={lo_ok}: the preset has {ctx.full.num_layers} layers")
+    if marginal_layers is not None and marginal_layers >= ctx.cfg.num_layers:
+        raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
+    if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):
+        raise ValueError("validate_layers needs marginal_layers and more layers than the layers timed")
+    ctx_lo = _Ctx(preset, marginal_layers, modes, seed, log) if marginal_layers else None
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
                               copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
-                              copy_start=copy_start)
+                              copy_start=copy_start, marginal_layers=marginal_layers,
+                              validate_layers=validate_layers)
     if real_model:
         try:
             r["real_model"] = real_miss_rate(real_model, log=log)
@@ -467,6 +526,17 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
                                 check=check, copy_group=copy_group, copy_start=copy_start, **prof, **kw)
             _floors(rec, ctx, ceil, h2d)
+            again = dict(steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl, check=False,
+                         copy_group=copy_group, copy_start=copy_start, **kw)
+            if ctx_lo is not None and rec.get("status") == "ok" and claim_pair(mode, b):
+                lo = decode_config(ctx_lo, mode, t, b, overlap=prof.get("overlap", False), **again)
+                if lo.get("status") == "ok":
+                    rec["marginal"] = marginal(rec, lo, full_layers=ctx.full.num_layers)
+                else:
+                    rec["marginal"] = {"status": lo.get("status")}
+            if (validate_layers and "per_layer_seconds" in rec.get("marginal", {}) and b == 8
+                    and mode in ("sparse", "sparda") and not kw.get("reuse_fraction")):
+                rec["marginal"]["validation"] = validate(rec, mode, t, b, again)
         except Exception as e:  # noqa: BLE001 - e.g. out of memory: record, go on
             rec = {"mode": mode, "T": t, "batch": b, "status": unavailable(e),
                    "variant": "random" if not kw.get("reuse_fraction") else "reuse"}
@@ -475,6 +545,22 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         log(f"[decode] {mode} T={t} B={b} {rec.get('variant')}: {rec.get('status')[:80]} "
             f"{rec.get('tokens_per_s', 0):.1f} tok/s (scaled), miss {rec.get('miss_rate')} at {budget.elapsed():.0f} s")
         return rec
+
+    ctx_v = []
+
+    def validate(rec, mode, t, b, again):
+        """The estimate's prediction for validate_layers layers against a row timed with them."""
+        if not ctx_v:
+            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log))
+        x = decode_config(ctx_v[0], mode, t, b, **again)
+        if x.get("status") != "ok":
+            return {"layers": validate_layers, "status": x.get("status")}
+        m = rec["marginal"]
+        pred = rec["step_seconds"] + (validate_layers - rec["layers_timed"]) * m["per_layer_seconds"]
+        scaled = rec["step_seconds"] * validate_layers / rec["layers_timed"]
+        return {"layers": validate_layers, "step_seconds_measured": x["step_seconds"],
+                "step_seconds_predicted": pred, "relative_error": pred / x["step_seconds"] - 1,
+                "step_seconds_by_scaling": scaled, "relative_error_by_scaling": scaled / x["step_seconds"] - 1}
 
     def claim_pair(m, b):
         return (b == 8 and m in ("sparse", "sparda")) or (b >= PREFETCH_MIN_BATCH and m in ("sparda", "sparda_sync"))
@@ -663,6 +749,23 @@ def _overlap_line(x) -> str:
             f"step / max {o['ratio_to_max']:.2f} (target <= {o['target']}), step / sum {o['ratio_to_sum']:.2f}")
 
 
+def _marginal_line(x) -> str:
+    m = x["marginal"]
+    s = (f"marginal {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} {x['variant']}: layers {m['layers'][0]} "
+         f"and {m['layers'][1]}: {m['per_layer_seconds'] * 1e3:.3f} ms/layer, {m['scaled_to']} layers "
+         f"{m['step_seconds_extrapolated'] * 1e3:.1f} ms, {m['tokens_per_s_extrapolated']:.1f} tok/s")
+    if "overlap_per_layer" in m:
+        o = m["overlap_per_layer"]
+        s += (f"; a layer: compute alone {o['compute_alone_s'] * 1e3:.3f}, copy alone {o['copy_alone_s'] * 1e3:.3f}, "
+              f"both {o['both_s'] * 1e3:.3f} ms, / max {o['ratio_to_max']:.2f}")
+    if "step_seconds_predicted" in m.get("validation", {}):
+        v = m["validation"]
+        s += (f"; at {v['layers']} layers measured {v['step_seconds_measured'] * 1e3:.2f} ms, predicted "
+              f"{v['step_seconds_predicted'] * 1e3:.2f} ({v['relative_error']:+.1%}), by scaling "
+              f"{v['step_seconds_by_scaling'] * 1e3:.2f} ({v['relative_error_by_scaling']:+.1%})")
+    return s
+
+
 def table(r: dict) -> str:
     c = r["config"]
     cols = ["system", "T", "batch", "variant"]
@@ -674,6 +777,7 @@ def table(r: dict) -> str:
         lines.append(_fmt_row({**x, "system": LABELS.get(x["mode"], x["mode"])}, cols))
     lines += claim_lines(r)
     lines += [_overlap_line(x) for x in rows if "overlap" in x]
+    lines += [_marginal_line(x) for x in rows if "per_layer_seconds" in x.get("marginal", {})]
     for t, bm in r.get("best_feasible", {}).items():
         lines.append(f"best feasible T={t}: " + ", ".join(f"{LABELS.get(m, m)} B={v['batch']} {v['tokens_per_s']:.1f} tok/s"
                                                           for m, v in bm.items()))
@@ -757,6 +861,7 @@ def main(args) -> int:
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
                          profile_steps=args.profile_steps, overlap=args.overlap, copy_group=args.copy_group,
-                         copy_start=args.copy_start, out=out)
+                         copy_start=args.copy_start, marginal_layers=args.marginal_layers,
+                         validate_layers=args.validate_layers, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

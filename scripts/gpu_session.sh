@@ -114,6 +114,15 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       timeout 380 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 16 --modes sparse sparda sparda_sync \
         --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 300 --repeats 16 \
         --out "$OUT/decode_overlap.json" 2>&1 | tail -30 ;;
+    decode-marginal)  # decode-overlap with the full-model step estimated from 2 and 4 layers (bench.decode.marginal:
+                      # scaling 4 layers x8 counts the fixed costs and the prefetch's fill and drain 8 times), the
+                      # batch-8 claim's rows also timed at 8 layers to check the estimate
+      timeout 430 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 16 --modes sparse sparda sparda_sync \
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 330 --repeats 12 \
+        --marginal-layers 2 --validate-layers 8 --out "$OUT/decode_marginal.json" 2>&1 | grep -v "^\[decode\]" | tail -40 ;;
+    test-trace)  # the copy engine's timeline test alone
+      timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_copy_engine.py -k trace 2>&1 | tail -3 ;;
     decode-auto)  # the claims' pairs with the autotuned CTA count (16 CTAs copy a 32 MiB layer at 29 GB/s of the
                   # 51 GB/s bulk rate: copy.json's overlap rows), SmolLM2's miss rates from decode.json
       timeout 300 python3 -m sparda_jax.cli bench decode --modes sparse sparda sparda_sync --batches 8 16 --ctas auto \

@@ -371,6 +371,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: for the claims' random rows of sparda and sparda_sync, also time the step with "
                          "every copy disabled (compute alone) and the copies alone; claim SparDA's step <= 1.1 x "
                          "max of the two")
+    bn.add_argument("--marginal-layers", type=int,
+                    help="decode: also time the claims' rows with this many layers (fewer than --layers) and "
+                         "estimate the full model's step from the difference (bench.decode.marginal)")
+    bn.add_argument("--validate-layers", type=int,
+                    help="decode, with --marginal-layers: time the batch-8 claim's rows with this many layers too "
+                         "and compare with the estimate's prediction")
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")

@@ -408,7 +408,8 @@ def test_cuda_trace_records_a_started_copy_and_marks_in_order():
     @jax.jit
     def f(p, s, d, c):
         c = gather_blocks_start(p, s, d, c, lane=1, implementation="cuda")
-        after = mark(_after_start({"c": c}, d + 0), 7, implementation="cuda")  # after the start, not on its buffer
+        # the mark on the start's token (the barrier's output a wait must consume), not on its buffer
+        after = mark(_after_start({"c": c}, d + 0)[1], 7, implementation="cuda")
         return gather_blocks_wait(c, s, d, after, implementation="cuda")
     host = _on_host(pool)
     trace(True)

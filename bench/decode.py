@@ -54,7 +54,7 @@ from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check,
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDENT_MODES, _after_start, _gather_blocks,
                                      _wait_blocks, decode_plan, engine_decode_step, selector_of)
-from sparda_jax.modes import decode_step
+from sparda_jax.modes import decode_step, stacked_state
 from sparda_jax.kernels.copy_engine import unaliased_copies
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_miss_rate", "table", "cta_table", "plot"]
@@ -115,8 +115,9 @@ class _Ctx:
         key = (sel, context)
         if key not in self.refs:
             res_mode = {"dense": "dense_resident", "sparse": "sparse_resident"}.get(sel, "sparse_resident")
-            st = build_state(self.cfg, batch=1, context=context, mode=res_mode, seed=self.seed,
-                             infinigen=self.extras["infinigen"])
+            # stacked: the reference runs the scan over layers, not the engine's per-layer loop
+            st = stacked_state(build_state(self.cfg, batch=1, context=context, mode=res_mode, seed=self.seed,
+                                           infinigen=self.extras["infinigen"]))
             if sel == "infinigen":  # the resident sparse state has no partial keys: add them
                 st = st.replace(pk=jnp.einsum("LBSKD,LKDR->LBSKR", st.kv.k.astype(jnp.float32),
                                               self.extras["infinigen"].proj))

@@ -134,7 +134,8 @@ def _blocks(x, *, bs: int):
 def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, extra_tokens: int = 64,
                 seed: int = 0, n_slots: int | None = None, infinigen: InfiniGenParams | None = None):
     """The state `engine_decode_step(mode=...)` takes after a prompt of `context` tokens in every
-    row: an `OffloadState` for the offload modes, a `modes.DecodeState` for the resident ones.
+    row: an `OffloadState` for the offload modes, a `modes.DecodeState` per layer for the resident
+    ones (`modes.layered_state`).
     Room for `extra_tokens` more positions (rounded up to whole blocks)."""
     sp = config.sparse
     bs = sp.block_size
@@ -158,9 +159,9 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
             ks.append(_blocks(k, bs=bs))
             vs.append(_blocks(v, bs=bs))
     stack = lambda xs: jnp.stack(xs) if xs else None
-    if mode in RESIDENT_MODES:
-        ckeys = jax.tree.map(lambda *a: jnp.stack(a), *cks) if cks else None
-        return DecodeState(KVCache(stack(ks), stack(vs)), ckeys, None, None, stack(pks))
+    if mode in RESIDENT_MODES:  # per layer, as `engine_prefill` returns it (no stacked copy ever made)
+        return tuple(DecodeState(KVCache(ks[i], vs[i]), cks[i] if cks else None, None, None, pks[i] if pks else None)
+                     for i in range(config.num_layers))
     if config.has_cis:
         raise NotImplementedError("the benchmark states carry no NOSA cis")
     n_slots = sp.topk if n_slots is None else n_slots

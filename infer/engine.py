@@ -39,7 +39,7 @@ from sparda_jax.attention import paged_sparse_attention, sparse_attention
 from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
-from sparda_jax.modes import KeySide, decode_step, prefill, select_for_mode, selector_input
+from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
 
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
                                             gather_blocks_start, gather_blocks_wait, lane_ctas, paper_num_ctas,
@@ -127,7 +127,8 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     """Prefill with all KV on the device (as the paper does), then move layers 1..L-1 to the
     host and set up the block cache. Returns (last logits [B, V], state).
 
-    Resident modes return a `sparda_jax.modes.DecodeState`; offload modes an `OffloadState`.
+    Resident modes return a `sparda_jax.modes.DecodeState` per layer (`layered_state`: decode
+    updates each layer's K/V in place); offload modes an `OffloadState`.
     `cache_size` is rounded up to whole blocks; n_slots defaults to the budget `topk`.
     """
     sel = selector_of(mode)
@@ -136,7 +137,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     last, st = prefill(params, tokens, lengths, config, cache_size=cache_size, mode=sel, forecast=forecast,
                        infinigen=infinigen, dtype=dtype)
     if mode in RESIDENT_MODES:
-        return last, st
+        return last, layered_state(st)
     n_slots = config.sparse.topk if n_slots is None else n_slots
     if n_slots < config.sparse.topk:
         raise ValueError(f"n_slots ({n_slots}) must be >= the block budget topk ({config.sparse.topk})")
@@ -498,9 +499,9 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     copy_start ("sparda" with the CUDA copy): "lanes" starts K and V as copies of their own on two
     side streams, "one" starts them as one copy (one launch, the whole CTA quota)."""
     sel = selector_of(mode)
-    if mode in RESIDENT_MODES:
-        logits, st = decode_step(params, tokens, positions, state, config, mode=sel, forecast=forecast,
-                                 infinigen=infinigen, dtype=dtype)
+    if mode in RESIDENT_MODES:  # a stacked state is split once; the layered one comes back
+        logits, st = decode_step(params, tokens, positions, layered_state(state), config, mode=sel,
+                                 forecast=forecast, infinigen=infinigen, dtype=dtype)
         return logits, st, {"copied_blocks": 0, "selected_blocks": 0}
     if not isinstance(state, OffloadState):
         raise TypeError(f"mode {mode!r} needs an OffloadState from engine_prefill")

@@ -77,6 +77,19 @@ def test_offload_equals_resident(setup, mode):
     assert 0 < copied < selected  # the cache reused blocks
 
 
+@pytest.mark.parametrize("mode", ["dense_resident", "sparse_resident"])
+def test_engine_resident_modes_equal_the_stacked_decode(setup, mode):
+    """Dense+ and Sparse+ in the engine decode a per-layer state (`layered_state`, each layer's
+    K/V updated in place); the tokens' logits are those of `modes.decode_step` on the stacked one."""
+    params, forecast, ig = setup
+    stacked, _, _ = _run(setup, mode, resident=True, steps=30)
+    engine, copied, selected = _run(setup, mode, steps=30)
+    np.testing.assert_allclose(engine, stacked, atol=2e-5)
+    assert copied == selected == 0
+    _, st = engine_prefill(params, jnp.ones((1, 20), jnp.int32), jnp.array([20]), TINY, mode=mode, cache_size=64)
+    assert isinstance(st, tuple) and len(st) == TINY.num_layers and st[0].kv.k.ndim == 4
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
 def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start):

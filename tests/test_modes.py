@@ -13,7 +13,7 @@ from sparda_jax import forecast_param_count, forward, get_preset, init_forecast,
 from sparda_jax.compress import compress_keys
 from sparda_jax.infinigen import infinigen_setup
 from sparda_jax.metrics import attention_mass, block_recall
-from sparda_jax.modes import decode_step, prefill
+from sparda_jax.modes import decode_step, layered_state, prefill, stacked_state
 from sparda_jax.select import select_blocks_infllmv2
 
 TINY = get_preset("tiny")        # blocks of 16, init 1, local 1, topk 4
@@ -71,10 +71,12 @@ def test_tight_budget_differs_from_dense(tiny, mode):
 
 
 @pytest.mark.parametrize("mode", ["dense"] + SPARSE_MODES)
-@pytest.mark.parametrize("nosa", [False, True])
-def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa):
+@pytest.mark.parametrize("nosa,layered", [(False, False), (True, False), (True, True)])
+def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa, layered):
     """Teacher-forced decode, one token at a time from a prefilled state, reproduces the
-    prefill logits of the same mode at every position (ragged batch included)."""
+    prefill logits of the same mode at every position (ragged batch included). layered: the
+    state split per layer (`layered_state`, the Python loop over layers; NOSA's for every
+    field: K/V, compressed keys, cis and compressed cis, InfiniGen's partial keys)."""
     config, setup = (TINY_NOSA, tiny_nosa) if nosa else (TINY, tiny)
     params, forecast, ig = setup
     b, t0, t1 = 2, 70, 150
@@ -85,12 +87,18 @@ def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa):
     run = dict(mode=mode, forecast=forecast, infinigen=ig)
     last, state = prefill(params, prompt, lengths, config, cache_size=160, **run)
     np.testing.assert_allclose(last, full[jnp.arange(b), lengths - 1], atol=2e-5)
+    if layered:
+        stacked0 = jax.tree.map(np.asarray, state)
+        state = layered_state(state)
+        assert len(state) == config.num_layers and state[0].kv.k.shape == stacked0.kv.k.shape[1:]
+        jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, stacked_state(state)), stacked0)
     pos = lengths
     for _ in range(t1 - t0):
         tok = tokens[jnp.arange(b), pos]
         logits, state = decode_step(params, tok, pos, state, config, **run)
         np.testing.assert_allclose(logits, full[jnp.arange(b), pos], atol=2e-5, err_msg=f"{mode} at {pos}")
         pos = pos + 1
+    assert isinstance(state, tuple) == layered  # the layout given comes back
 
 
 def test_model_selection_is_the_selector_on_its_own_q_and_k(tiny):
@@ -197,3 +205,31 @@ def test_tile_union_and_blowup_against_python_sets():
             if per_row > 0:
                 ratios.append(len(union) / per_row)
         assert abs(float(tile_blowup(jnp.asarray(ids), tile=tile)) - np.mean(ratios)) < 1e-5
+
+
+def test_layered_sparse_decode_copies_no_kv_buffer(tiny):
+    """The compiled sparse decode step (CPU HLO) on a layered state moves no K/V-sized buffer
+    (scatters of the new token into the donated per-layer caches only); on the stacked state,
+    the scan copies and slices K/V-sized buffers (what made Dense+ and Sparse+ decode slow)."""
+    import re
+
+    from sparda_jax.modes import _decode, _Plan
+
+    params, _, _ = tiny
+    tokens = jax.random.randint(jax.random.key(5), (2, 100), 0, TINY.vocab_size)
+    _, stacked = prefill(params, tokens, jnp.array([100, 90]), TINY, cache_size=256, mode="sparse")
+    plan = _Plan(TINY, "sparse", False, jnp.dtype(jnp.float32), None, None, False, None)
+    per_layer = int(np.prod(stacked.kv.k.shape[1:]))
+
+    def big_moves(state):
+        txt = _decode.lower(params, tokens[:, :1], jnp.array([[100], [90]]), state, None, None,
+                            plan=plan).compile().as_text()
+        found = []
+        for m in re.finditer(r"=\s*\w+\[([\d,]*)\]\S*\s+(copy|dynamic-slice|dynamic-update-slice|concatenate)\(", txt):
+            n = int(np.prod([int(x) for x in m.group(1).split(",") if x] or [1]))
+            if n >= per_layer:
+                found.append((m.group(2), m.group(1)))
+        return found
+
+    assert big_moves(stacked), "the stacked scan no longer moves K/V: this test needs a new witness"
+    assert big_moves(layered_state(stacked)) == []

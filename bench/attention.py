@@ -283,19 +283,25 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
     return res
 
 
-def _looped(one, dense: bool):
+def _looped(one, dense: bool, loop: str = "map"):
     """jit of `steps` decode steps; the cache goes in as an argument (a closed-over array would be
-    baked into the program as a constant)."""
+    baked into the program as a constant). loop "map": a lax.map (an XLA while loop, whose trip
+    costs the GPU a predicate read by the host each step); "unroll": the steps as straight-line
+    calls, as the engine's layers issue the kernel."""
+    if loop not in ("map", "unroll"):
+        raise ValueError(f"loop must be 'map' or 'unroll', got {loop!r}")
+    step = (lambda a, k, v: one(a[0], k, v, a[2])) if dense else (lambda a, k, v: one(a[0], k, v, a[1], a[2]))
+
     def run(q, k, v, ids, pos):
-        if dense:
-            return jax.lax.map(lambda a: one(a[0], k, v, a[2]), (q, ids, pos))
-        return jax.lax.map(lambda a: one(a[0], k, v, a[1], a[2]), (q, ids, pos))
+        if loop == "map":
+            return jax.lax.map(lambda a: step(a, k, v), (q, ids, pos))
+        return jnp.stack([step((q[i], ids[i], pos[i]), k, v) for i in range(q.shape[0])])
     return jax.jit(run)
 
 
 def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARIANTS, repeats: int = 3,
                 steps: int = 8, max_s: float = 3.0, budget: Budget | None = None, seed: int = 0,
-                out_rec: dict | None = None, snapshot=None) -> dict:
+                out_rec: dict | None = None, snapshot=None, loop: str = "map") -> dict:
     """`steps` decode steps run inside one jit (lax.map), each with its own query, position and
     block ids: per-call dispatch (~10 us) would otherwise dominate a ~30 us kernel. Positions are
     spaced by more than the local window so consecutive steps share few blocks and L2 does not
@@ -333,7 +339,7 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
             out_rec[name] = {"status": budget.reason()}
             continue
         if name in SPARSE + INTERPRETED:
-            looped = _looped(functools.partial(sparse_attention, block_size=bs, implementation=name), False)
+            looped = _looped(functools.partial(sparse_attention, block_size=bs, implementation=name), False, loop)
             nbytes, rr = bytes_sel, r
         elif _decode_choice(name) is not None:
             from sparda_jax.kernels.sparse_decode import sparse_decode_attention
@@ -341,7 +347,7 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
             def chosen(q1, k1, v1, ids1, pos1, kw=_decode_choice(name)):
                 return sparse_decode_attention(q1[:, 0], k1, v1, ids1[:, :, 0].astype(jnp.int32),
                                                pos1[:, 0].astype(jnp.int32), **kw)[:, None]
-            looped = _looped(chosen, False)
+            looped = _looped(chosen, False, loop)
             nbytes, rr = bytes_sel, r
         elif name == "mosaic_gpu@split":
             from sparda_jax.kernels.sparse_decode import combine_splits, sparse_decode_split_pass
@@ -349,10 +355,10 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
             def split(q1, k1, v1, ids1, pos1):
                 return sparse_decode_split_pass(q1[:, 0], k1, v1, ids1[:, :, 0].astype(jnp.int32),
                                                 pos1[:, 0].astype(jnp.int32))
-            looped = _looped(split, False)
+            looped = _looped(split, False, loop)
             nbytes, rr = bytes_sel, r
         elif name == "cudnn":
-            looped = _looped(functools.partial(dense_attention, implementation="cudnn"), True)
+            looped = _looped(functools.partial(dense_attention, implementation="cudnn"), True, loop)
             nbytes, rr = bytes_dense, r_dense
         else:
             out_rec[name] = {"status": f"unavailable: unknown decode variant {name!r}"}
@@ -390,8 +396,9 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
                     decode_batches=(16, 64), repeats: int = 3, variants=None, timed_queries: int = 2048,
                     decode_steps: int = 8, budget_s: float | None = 140.0, max_s: float = 3.0,
                     matmul_n: int = 8192, copy_mib: int = 2048, seed: int = 0, query_correlation: float = 0.0,
-                    decode: bool = True, prefill: bool = True, out=None, log=None) -> dict:
-    """Runs the prefill and decode cases; with `out`, the JSON is rewritten after every variant
+                    decode: bool = True, prefill: bool = True, decode_loop: str = "map", out=None,
+                    log=None) -> dict:
+    """decode_loop: how the decode steps of one timed call are issued (`_looped`). Runs the prefill and decode cases; with `out`, the JSON is rewritten after every variant
     ("complete": false until the end) so a crash keeps what was measured."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     shape = model_shape(preset)
@@ -405,7 +412,7 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
     config = {**_shape_json(shape), "lengths": list(lengths), "batch": batch, "decode_batches": list(decode_batches),
               "repeats": repeats, "max_seconds_per_variant": max_s, "prefill_variants": list(pv),
               "decode_variants": list(dv), "timed_queries_for_slice_variants": timed_queries,
-              "decode_steps_per_call": decode_steps, "budget_s": budget_s, "dtype": "bfloat16",
+              "decode_steps_per_call": decode_steps, "decode_loop": decode_loop, "budget_s": budget_s, "dtype": "bfloat16",
               "block_ids_source": "select_blocks_forecast (XLA) on random bf16 Forecast queries and the "
                                   "compressed random keys: random weights choose nearly random content "
                                   "blocks beyond the forced init/local ones (no realistic pattern assumed)"
@@ -419,7 +426,7 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
                              "4 * B * H * D * T^2 / 2; slice variants count their own queries",
               "slice_note": "xla / dense_xla are timed on `timed_queries` queries in runs of 512 spread "
                             "evenly over the sequence and scaled by T / timed_queries to seconds_layer",
-              "decode_note": "steps_per_call decode steps in one jit (lax.map), positions spaced beyond the "
+              "decode_note": "steps_per_call decode steps in one jit (lax.map or unrolled: decode_loop), positions spaced beyond the "
                              "local window; bytes = selected blocks x 64 tokens x D x 2 B x (K and V)"}
     r = {"name": "attention", "complete": False, "environment": environment(), "config": config,
          "ceilings": ceil, "prefill": [], "decode": [], "skipped": [], "claims": []}
@@ -449,7 +456,7 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
             query_correlation=query_correlation)
     for t in lengths if decode else ():
         for b in decode_batches:
-            run("decode", t, b, decode_case, variants=dv, steps=decode_steps)
+            run("decode", t, b, decode_case, variants=dv, steps=decode_steps, loop=decode_loop)
     for c in r["prefill"]:
         if "ratio_sparse_over_dense_tflops" in c:
             v = c["variants"][c["best_sparse"]]
@@ -537,5 +544,5 @@ def main(args) -> int:
                         decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
                         matmul_n=args.matmul_n, copy_mib=args.copy_mib,
                         query_correlation=args.query_correlation, decode=not args.prefill_only,
-                        prefill=not args.decode_only, out=out)
+                        prefill=not args.decode_only, decode_loop=args.decode_loop, out=out)
     return plot_and_print(r, out, plot, table)

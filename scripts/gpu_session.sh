@@ -73,6 +73,13 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
     attention-decode)  # decode attention alone, every decode variant (the new default with 8 splits at batch 16
                        # vs the old s2n4, s2n8, s2n16, s3n4, the split pass without its combine), 32K-128K (~100 s)
       timeout 300 python3 -m sparda_jax.cli bench attention --decode-only --out "$OUT/attention_decode.json" 2>&1 | tail -16 ;;
+    attention-loop)  # decode attention at batch 16 with the call's 8 steps as a lax.map (a while loop: the host
+                     # reads its predicate every trip) and unrolled: a linear fit of the batch-16/64 rows
+                     # (seventh session) leaves ~40-58 us per step not explained by bytes
+      for L in map unroll; do
+        timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --decode-batches 16 64 --decode-loop $L \
+          --variants mosaic_gpu mosaic_gpu@s2n4 mosaic_gpu@s2n8 --repeats 10 --out "$OUT/attention_loop_$L.json" 2>&1 | tail -8
+      done ;;
     attention-split)  # the decode kernel's split pass alone vs the whole kernel (split pass + XLA combine),
                       # batch 16 and 64, 32K and 128K: what the combine costs (~60 s)
       timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --lengths 32768 131072 \

@@ -334,6 +334,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
     bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")
+    bn.add_argument("--decode-loop", choices=["map", "unroll"], default="map",
+                    help="attention: the timed call's decode steps as a lax.map (a while loop) or unrolled")
     bn.add_argument("--query-correlation", type=float, default=0.0,
                     help="attention: AR(1) correlation along positions of the queries that choose the prefill "
                          "blocks (0: independent; 0.99: the tile union of SmolLM2's real selections)")

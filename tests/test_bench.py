@@ -103,6 +103,30 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     assert out is None or out.endswith("attention.png")
 
 
+def test_decode_steps_unrolled_equal_the_mapped_ones():
+    """bench attention's two ways to issue a call's decode steps run the same steps."""
+    import functools
+
+    from sparda_jax.attention import sparse_attention
+    from sparda_jax.bench.attention import _looped
+
+    ks = jax.random.split(jax.random.key(11), 3)
+    steps, b, t, kh, g, d, bs = 3, 2, 128, 2, 3, 16, 16
+    q = jax.random.normal(ks[0], (steps, b, 1, kh * g, d))
+    k, v = (jax.random.normal(x, (b, t, kh, d)) for x in ks[1:])
+    pos = jnp.broadcast_to(jnp.array([40, 90, 127])[:, None, None], (steps, b, 1)).astype(jnp.int32)
+    # each step's block and the 2 before it
+    last = pos[:, :, :, None, None] // bs  # [steps, B, 1, 1, 1]
+    ids = (last - jnp.arange(3)[None, None, None, None, :]).clip(-1)
+    ids = jnp.broadcast_to(ids.reshape(steps, b, 1, 1, 3), (steps, b, kh, 1, 3)).astype(jnp.int32)  # [steps, B, K, 1, n]
+    one = functools.partial(sparse_attention, block_size=bs, implementation="xla")
+    mapped = _looped(one, False, "map")(q, k, v, ids, pos)
+    unrolled = _looped(one, False, "unroll")(q, k, v, ids, pos)
+    np.testing.assert_allclose(unrolled, mapped, rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="loop"):
+        _looped(one, False, "scan")
+
+
 def test_correlated_queries_are_unit_ar1_and_shrink_the_tile_union(tmp_path):
     from sparda_jax.bench.attention import bench_attention, correlated_normal
 

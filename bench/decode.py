@@ -489,9 +489,9 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
     ctx = _Ctx(preset, layers, modes, seed, log)
-    for n, lo_ok in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
-        if lo_ok is not None and not 1 <= lo_ok <= ctx.full.num_layers:
-            raise ValueError(f"{n}={lo_ok}: the preset has {ctx.full.num_layers} layers")
+    for name, n in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
+        if n is not None and not 2 <= n <= ctx.full.num_layers:  # the engine keeps layer 0 on the device
+            raise ValueError(f"{name}={n}: need 2 to {ctx.full.num_layers} (the preset's layers)")
     if marginal_layers is not None and marginal_layers >= ctx.cfg.num_layers:
         raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
     if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):

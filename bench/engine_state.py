@@ -158,7 +158,6 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
         else:
             ks.append(_blocks(k, bs=bs))
             vs.append(_blocks(v, bs=bs))
-    stack = lambda xs: jnp.stack(xs) if xs else None
     if mode in RESIDENT_MODES:  # per layer, as `engine_prefill` returns it (no stacked copy ever made)
         return tuple(DecodeState(KVCache(ks[i], vs[i]), cks[i] if cks else None, None, None, pks[i] if pks else None)
                      for i in range(config.num_layers))

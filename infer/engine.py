@@ -36,7 +36,6 @@ from flax import struct
 from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.attention import paged_sparse_attention, sparse_attention
-from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input

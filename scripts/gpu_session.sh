@@ -127,6 +127,12 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       timeout 430 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 16 --modes sparse sparda sparda_sync \
         --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 330 --repeats 12 \
         --marginal-layers 2 --validate-layers 8 --out "$OUT/decode_marginal.json" 2>&1 | grep -v "^\[decode\]" | tail -40 ;;
+    decode-b8)  # the batch-8 claim alone: Sparse and SparDA at 128K, random traffic and two repeating-row counts
+                # around each real-model miss rate (interpolated: bench.decode.at_miss_rate), 2 and 4 layers,
+                # every row also at 8 layers
+      timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes sparse sparda \
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 400 --repeats 12 \
+        --marginal-layers 2 --validate-layers 8 --out "$OUT/decode_b8.json" 2>&1 | grep -v "^\[decode\]" | tail -30 ;;
     test-trace)  # the copy engine's timeline test alone
       timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_copy_engine.py -k trace 2>&1 | tail -3 ;;

@@ -373,6 +373,50 @@ def test_decode_bench_overlap_and_marginal_estimate_on_cpu(monkeypatch):
     assert "marginal SparDA T=256 B=8 random: layers 2 and 3" in table(r)
 
 
+def test_real_miss_rate_rows_bracket_the_target_and_interpolate():
+    from sparda_jax.bench.decode import at_miss_rate, real_fractions
+
+    # batch 8, random traffic misses 0.624: 6 repeating rows miss 0.156, 7 miss 0.078
+    assert real_fractions(0.122, 0.624, 8) == [6 / 8, 7 / 8]
+    assert real_fractions(0.156, 0.624, 8) == [6 / 8]  # exactly 6 rows
+    assert real_fractions(0.6, 0.624, 8) == [1 / 8]  # 0 rows (the random row) is not returned
+    assert real_fractions(0.7, 0.624, 8) == []  # above the random rate: nothing to emulate
+
+    def row(miss, step):
+        return {"batch": 8, "miss_rate": miss, "step_seconds_scaled": step,
+                "marginal": {"step_seconds_extrapolated": step / 2}}
+    rows = [row(0.624, 0.028), row(0.156, 0.0164), row(0.078, 0.0146)]
+    a = at_miss_rate(rows, 0.122, "scaled")
+    assert a["between"] == [0.078, 0.156]
+    assert a["step_seconds"] == pytest.approx(0.0146 + (0.0164 - 0.0146) * (0.122 - 0.078) / 0.078)
+    assert a["tokens_per_s"] == pytest.approx(8 / a["step_seconds"])
+    assert at_miss_rate(rows, 0.122, "marginal")["step_seconds"] == pytest.approx(a["step_seconds"] / 2)
+    assert at_miss_rate(rows, 0.156, "scaled")["step_seconds"] == pytest.approx(0.0164)
+    assert at_miss_rate(rows, 0.05, "scaled") is None  # below every row: no extrapolation
+    assert at_miss_rate([row(0.078, 0.0146)], 0.078, "scaled")["step_seconds"] == 0.0146
+
+
+def test_decode_claims_at_the_real_miss_rates():
+    """The batch-8 claim at the real-model miss rates compares the two modes' interpolated steps."""
+    from sparda_jax.bench.decode import _claims
+
+    def row(mode, miss, step, target=None):
+        x = {"mode": mode, "T": 1024, "batch": 8, "status": "ok", "miss_rate": miss, "step_seconds_scaled": step,
+             "tokens_per_s": 8 / step, "variant": "random" if target is None else "reuse", "feasibility": {"fits": True}}
+        return x if target is None else {**x, "target_miss_rate": target}
+    rows = [row("sparse", 0.62, 0.028), row("sparse", 0.156, 0.0164, 0.122), row("sparse", 0.078, 0.0146, 0.122),
+            row("sparda", 0.62, 0.020), row("sparda", 0.156, 0.0120, 0.086), row("sparda", 0.078, 0.0110, 0.086)]
+    claims, _ = _claims({"rows": rows, "config": {"modes": ["sparse", "sparda"]}})
+    c = {x["claim"]: x for x in claims}
+    real = c["decode T=1024 B=8: SparDA / Sparse tokens/s at the real-model miss rates (interpolated)"]
+    sparse = 0.0146 + 0.0018 * (0.122 - 0.078) / 0.078
+    sparda = 0.0110 + 0.0010 * (0.086 - 0.078) / 0.078
+    assert real["value"] == pytest.approx(sparse / sparda) and real["met"] == (sparse / sparda >= 1.7)
+    assert c["decode T=1024 B=8: SparDA / Sparse tokens/s"]["value"] == pytest.approx(0.028 / 0.020)
+    # no marginal estimate in these rows: no claim on it
+    assert not any(x.get("estimate") == "marginal" for x in claims)
+
+
 def test_marginal_estimate_is_exact_for_a_step_linear_in_layers():
     """step(L) = fixed + L x per_layer: the estimate recovers the full model's step, which scaling
     by full / timed layers overstates by the fixed cost times (full / timed - 1)."""

@@ -316,8 +316,10 @@ def marginal(hi: dict, lo: dict, *, full_layers: int) -> dict:
     if "overlap" in hi and "overlap" in lo:
         d = {k: (hi["overlap"][k] - lo["overlap"][k]) / (lh - ll)
              for k in ("compute_alone_s", "copy_alone_s", "both_s")}
-        out["overlap_per_layer"] = {**d, "ratio_to_max": d["both_s"] / max(d["compute_alone_s"], d["copy_alone_s"]),
-                                    "ratio_to_sum": d["both_s"] / (d["compute_alone_s"] + d["copy_alone_s"])}
+        # differences of noisy timings: a layer's compute or copy can come out <= 0 (seen on CPUs)
+        top, tot = max(d["compute_alone_s"], d["copy_alone_s"]), d["compute_alone_s"] + d["copy_alone_s"]
+        out["overlap_per_layer"] = {**d, "ratio_to_max": d["both_s"] / top if top > 0 else None,
+                                    "ratio_to_sum": d["both_s"] / tot if tot > 0 else None}
     return out
 
 
@@ -482,7 +484,7 @@ def _claims(r):
                                 "value": v, "target": 1.0, "met": bool(v > 1.0), "estimate": est})
     for x in _ok(rows, mode="sparda"):
         for est, o in (("scaled", x.get("overlap")), ("marginal", x.get("marginal", {}).get("overlap_per_layer"))):
-            if o is None:
+            if o is None or o["ratio_to_max"] is None:
                 continue
             what = "decode step" if est == "scaled" else "decode layer (marginal: layers timed hi - lo)"
             v = o["ratio_to_max"]
@@ -808,7 +810,8 @@ def _marginal_line(x) -> str:
     if "overlap_per_layer" in m:
         o = m["overlap_per_layer"]
         s += (f"; a layer: compute alone {o['compute_alone_s'] * 1e3:.3f}, copy alone {o['copy_alone_s'] * 1e3:.3f}, "
-              f"both {o['both_s'] * 1e3:.3f} ms, / max {o['ratio_to_max']:.2f}")
+              f"both {o['both_s'] * 1e3:.3f} ms, / max "
+              + ("-" if o["ratio_to_max"] is None else f"{o['ratio_to_max']:.2f}"))
     if "step_seconds_predicted" in m.get("validation", {}):
         v = m["validation"]
         s += (f"; at {v['layers']} layers measured {v['step_seconds_measured'] * 1e3:.2f} ms, predicted "

@@ -436,5 +436,8 @@ def test_marginal_estimate_is_exact_for_a_step_linear_in_layers():
     assert o["compute_alone_s"] == pytest.approx(0.3e-3) and o["copy_alone_s"] == pytest.approx(0.4e-3)
     assert o["ratio_to_max"] == pytest.approx(0.42 / 0.4) and o["ratio_to_sum"] == pytest.approx(0.42 / 0.7)
     assert "overlap_per_layer" not in marginal(row(4), row(2), full_layers=full)
+    flat = lambda L: {"compute_alone_s": 1e-3, "copy_alone_s": 2e-3, "both_s": 2e-3 + L * 1e-4}  # no per-layer cost
+    o = marginal(row(4, overlap=flat(4)), row(2, overlap=flat(2)), full_layers=full)["overlap_per_layer"]
+    assert o["ratio_to_max"] is None and o["ratio_to_sum"] is None
     with pytest.raises(ValueError, match="hi > lo"):
         marginal(row(2), row(4), full_layers=full)

@@ -422,14 +422,12 @@ def at_miss_rate(rows: list[dict], target: float, estimate: str) -> dict | None:
     when no two rows bracket the target."""
     pts = sorted((x["miss_rate"], _step_seconds(x, estimate)) for x in rows
                  if x.get("miss_rate") is not None and _step_seconds(x, estimate))
-    for (m0, s0), (m1, s1) in zip(pts, pts[1:]):
+    for (m0, s0), (m1, s1) in zip(pts, pts[1:] or pts):  # one row: paired with itself
         if m0 <= target <= m1:
             s = s0 if m1 == m0 else s0 + (s1 - s0) * (target - m0) / (m1 - m0)
             return {"miss_rate": target, "step_seconds": s, "tokens_per_s": rows[0]["batch"] / s,
                     "between": [m0, m1]}
-    exact = [p for p in pts if abs(p[0] - target) < 1e-12]
-    return {"miss_rate": target, "step_seconds": exact[0][1], "tokens_per_s": rows[0]["batch"] / exact[0][1],
-            "between": [target, target]} if exact else None
+    return None
 
 
 def _step_seconds(x, estimate):
@@ -442,9 +440,8 @@ def _step_seconds(x, estimate):
 def _tokens_per_s(x, estimate):
     """A row's full-model tokens/s by an estimate: "scaled" (step x full / timed layers) or
     "marginal" (`marginal`); None where the row has no such estimate."""
-    if estimate == "scaled":
-        return x["tokens_per_s"]
-    return x.get("marginal", {}).get("tokens_per_s_extrapolated")
+    s = _step_seconds(x, estimate)
+    return x["batch"] / s if s and s > 0 else None
 
 
 ESTIMATES = {"scaled": "", "marginal": " (marginal-layer estimate)"}

@@ -803,7 +803,9 @@ def _marginal_line(x) -> str:
     m = x["marginal"]
     s = (f"marginal {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} {x['variant']}: layers {m['layers'][0]} "
          f"and {m['layers'][1]}: {m['per_layer_seconds'] * 1e3:.3f} ms/layer, {m['scaled_to']} layers "
-         f"{m['step_seconds_extrapolated'] * 1e3:.1f} ms, {m['tokens_per_s_extrapolated']:.1f} tok/s")
+         f"{m['step_seconds_extrapolated'] * 1e3:.1f} ms, "
+         # None where the timings' noise made the estimate <= 0 (CPUs)
+         + ("-" if m["tokens_per_s_extrapolated"] is None else f"{m['tokens_per_s_extrapolated']:.1f}") + " tok/s")
     if "overlap_per_layer" in m:
         o = m["overlap_per_layer"]
         s += (f"; a layer: compute alone {o['compute_alone_s'] * 1e3:.3f}, copy alone {o['copy_alone_s'] * 1e3:.3f}, "

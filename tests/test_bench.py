@@ -364,12 +364,19 @@ def test_decode_bench_overlap_and_marginal_estimate_on_cpu(monkeypatch):
         assert v["step_seconds_predicted"] == pytest.approx(g["step_seconds_extrapolated"])  # 4 layers is the full model
         assert v["step_seconds_by_scaling"] == pytest.approx(x["step_seconds"] * 4 / 3)
     assert "overlap_per_layer" in rows["sparda"]["marginal"] and "overlap_per_layer" not in rows["sparse"]["marginal"]
-    est = [c for c in r["claims"] if c.get("estimate") == "marginal"]
-    assert {c["claim"] for c in est} == {"decode T=256 B=8: SparDA / Sparse tokens/s (marginal-layer estimate)",
-                                         "decode T=256 B=8 random: decode layer (marginal: layers timed hi - lo) with "
-                                         "prefetch / max(compute alone, copy alone)"}
-    assert est[0]["value"] == pytest.approx(rows["sparda"]["marginal"]["tokens_per_s_extrapolated"]
-                                            / rows["sparse"]["marginal"]["tokens_per_s_extrapolated"])
+    # a claim on the estimate exists where its values do: CPU timings are noisy, and a difference
+    # of two can come out <= 0 (then the estimate is None and no claim is made)
+    est = {c["claim"]: c for c in r["claims"] if c.get("estimate") == "marginal"}
+    tps = {m: rows[m]["marginal"]["tokens_per_s_extrapolated"] for m in ("sparse", "sparda")}
+    speed = "decode T=256 B=8: SparDA / Sparse tokens/s (marginal-layer estimate)"
+    layer = ("decode T=256 B=8 random: decode layer (marginal: layers timed hi - lo) with prefetch / "
+             "max(compute alone, copy alone)")
+    ratio = rows["sparda"]["marginal"]["overlap_per_layer"]["ratio_to_max"]
+    assert set(est) == {k for k, ok in ((speed, None not in tps.values()), (layer, ratio is not None)) if ok}
+    if speed in est:
+        assert est[speed]["value"] == pytest.approx(tps["sparda"] / tps["sparse"])
+    if layer in est:
+        assert est[layer]["value"] == ratio
     assert "marginal SparDA T=256 B=8 random: layers 2 and 3" in table(r)
 
 

@@ -37,7 +37,7 @@ from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.attention import paged_sparse_attention, sparse_attention
 from sparda_jax.config import ModelConfig
-from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
+from sparda_jax.model import DecoderLayer, check_layers, embed, layer_params, rope_tables, stacked_layers, unembed
 from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
 
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
@@ -315,8 +315,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     sels = None if forecast is None else jnp.concatenate([forecast["f0_cur"]["kernel"][None],
                                                           forecast["f"]["kernel"]], axis=0)
     igs = None if infinigen is None else infinigen.proj
-    lps = params["layers"]
-    at = lambda tree, i: jax.tree.map(lambda a: a[i], tree)
+    lps = params["layers"]  # stacked, or per layer (`model.layered_params`: no weight is sliced, so none is copied)
     cis_c = lambda cc: None if cc is None else cc.kc[..., 0]
 
     def project(x, lp, l, ckeys_l, ccis_l, pk_l, read=None):
@@ -357,7 +356,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     ccis = state.ccis or (None,) * c.num_layers
     pks = state.pk or (None,) * c.num_layers
     x = embed(params, tokens[:, None], c, plan.dtype)
-    v0, h0, q0, new0, ck0, cc0, pk0, _ = project(x, at(lps, 0), 0, state.ckeys[0], ccis[0], pks[0])
+    v0, h0, q0, new0, ck0, cc0, pk0, _ = project(x, layer_params(lps, 0), 0, state.ckeys[0], ccis[0], pks[0])
     l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype)) for n, a in state.l0.items()}
     ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
     pre = None
@@ -420,7 +419,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         carry, steps = (x, h0, pre), []
         for i in range(c.num_layers - 1):
             l = i + 1
-            xs = dict(l=l, lp=at(lps, l), ckeys=state.ckeys[l], ccis=ccis[l], pk=pks[l],
+            xs = dict(l=l, lp=layer_params(lps, l), ckeys=state.ckeys[l], ccis=ccis[l], pk=pks[l],
                       table=state.table[i], cache=state.cache[i])
             if prefetch and l + 1 < c.num_layers:
                 xs.update(n_table=state.table[i + 1], n_cache=state.cache[i + 1], n_ckeys=state.ckeys[l + 1],
@@ -434,7 +433,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         nxt = lambda a: jnp.concatenate([a[1:], a[-1:]], axis=0)
         tail = lambda t: None if t is None else stacked(t[1:])  # per-layer tuples of layers 0..L-1
         cache_s = stacked(state.cache)
-        xs = dict(l=jnp.arange(1, c.num_layers), lp=jax.tree.map(lambda a: a[1:], lps), ckeys=tail(state.ckeys),
+        xs = dict(l=jnp.arange(1, c.num_layers), lp=jax.tree.map(lambda a: a[1:], stacked_layers(lps)), ckeys=tail(state.ckeys),
                   ccis=tail(state.ccis), pk=tail(state.pk), table=state.table, cache=cache_s)
         if prefetch:
             xs.update(n_table=nxt(state.table), n_cache=jax.tree.map(nxt, cache_s),
@@ -483,6 +482,9 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
+    params: stacked, or `sparda_jax.model.layered_params(params)` (made once, before the decode
+    loop): faster, as no layer's weights are sliced (and so copied) inside the step.
+
     copy_impl: "cuda" (the UVA gather of kernels/copy), "host_ffi" (the same custom calls'
     CPU twin, for testing their use on the CPU), "xla" (the reference); None picks cuda on a
     GPU. num_ctas: the copy kernel's CTA quota: None the paper's heuristic (16 below
@@ -498,6 +500,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     copy_start ("sparda" with the CUDA copy): "lanes" starts K and V as copies of their own on two
     side streams, "one" starts them as one copy (one launch, the whole CTA quota)."""
     sel = selector_of(mode)
+    check_layers(params, config)
     if mode in RESIDENT_MODES:  # a stacked state is split once; the layered one comes back
         logits, st = decode_step(params, tokens, positions, layered_state(state), config, mode=sel,
                                  forecast=forecast, infinigen=infinigen, dtype=dtype)

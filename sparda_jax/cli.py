@@ -348,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
     bn.add_argument("--copy-start", choices=["lanes", "one"], default="lanes",
                     help="decode, sparda: K and V started as copies on two lanes, or as one copy")
+    bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
+                    help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
+                         "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
     bn.add_argument("--pipeline-only", action="store_true",
                     help="copy: only the prefetch-pattern sweep (bench_pipeline: CTAs, threads, resident)")
     bn.add_argument("--budget-s", type=float,

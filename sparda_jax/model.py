@@ -40,6 +40,9 @@ __all__ = [
     "embed",
     "unembed",
     "param_count",
+    "layered_params",
+    "stacked_layers",
+    "layer_params",
 ]
 
 Dtype = Any
@@ -224,6 +227,43 @@ def init_params(config: ModelConfig, key: jax.Array, param_dtype: Dtype = jnp.fl
 
 def param_count(tree) -> int:
     return sum(int(a.size) for a in jax.tree.leaves(tree))
+
+
+def layered_params(params: dict) -> dict:
+    """`params` with "layers" as a tuple of per-layer trees (no leading L axis), each leaf its
+    own buffer. The decode paths that run the layers as a Python loop (the offload engine, a
+    layered `modes.decode_step`) then give each layer's weights to its GEMMs as they are. Taken
+    from the stack, a layer's weights are a slice, and XLA copies a slice that feeds a cuBLAS
+    call: on the H200 each layer's o_proj kernel (33.5 MB for minicpm4.1-8b) was copied every
+    decode step. Slicing here copies once, so the weights are held twice while the caller keeps
+    the stacked tree. The scans (prefill, training, a stacked decode state) stack a layered tree
+    back inside their jit: a copy of the weights per call."""
+    layers = params["layers"]
+    if isinstance(layers, tuple):
+        return params
+    n = int(jax.tree.leaves(layers)[0].shape[0])
+    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+
+
+def stacked_layers(layers):
+    """The per-layer trees of `layered_params` stacked on a leading L axis (a stacked tree as it is)."""
+    if not isinstance(layers, tuple):
+        return layers
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
+def layer_params(layers, i: int):
+    """Layer i's parameters from either layout (from the stack: a slice)."""
+    if isinstance(layers, tuple):
+        return layers[i]
+    return jax.tree.map(lambda a: a[i], layers)
+
+
+def check_layers(params, config: ModelConfig):
+    layers = params["layers"]
+    n = len(layers) if isinstance(layers, tuple) else int(jax.tree.leaves(layers)[0].shape[0])
+    if n != config.num_layers:
+        raise ValueError(f"params hold {n} layers, the config {config.num_layers}")
 
 
 # ------------------------------------------------------------------------------------ forward

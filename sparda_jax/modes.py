@@ -30,7 +30,8 @@ from .attention import dense_attention, sparse_attention
 from .compress import CompressedKeys, compress_keys
 from .config import ModelConfig
 from .forecast import forecast_from_hidden, selector_kernels
-from .model import DecoderLayer, KVCache, check_tokens, embed, rope_tables, unembed
+from .model import (DecoderLayer, KVCache, check_layers, check_tokens, embed, layer_params, rope_tables,
+                    stacked_layers, unembed)
 from .select import (compress_cis, nosa_refine, select_blocks_forecast, select_blocks_infinigen,
                      select_blocks_infllmv2)
 
@@ -145,7 +146,8 @@ def selector_input(c: ModelConfig, mode: str, dtype, layer, lp, h, h_prev, sel_k
 
 
 def _per_layer_xs(params, forecast, infinigen):
-    """Per-layer inputs: backbone params, the selector kernel (sparda), the InfiniGen projection."""
+    """Per-layer inputs: backbone params (stacked or a tuple: `model.layered_params`), the selector
+    kernel (sparda), the InfiniGen projection."""
     sel = selector_kernels(forecast) if forecast is not None else None
     ig = infinigen.proj if infinigen is not None else None
     return params["layers"], sel, ig
@@ -221,7 +223,7 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
         return (x, h), aux
 
     first = jnp.arange(c.num_layers) == 0
-    (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (lps, sels, igs, first))
+    (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (stacked_layers(lps), sels, igs, first))
     if logits_at is not None:  # only these rows reach the LM head ([B, T, vocab] is huge at long T)
         x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
     return (unembed(params, x, c) if return_logits else None), aux
@@ -249,6 +251,7 @@ def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", foreca
     logits_at int [B, n] computes logits only at those positions ([B, n, vocab]).
     """
     _validate(config, mode, forecast, infinigen)
+    check_layers(params, config)
     tokens = jnp.asarray(tokens)
     check_tokens(tokens, None)
     plan = _make_plan(config, mode, tokens.shape[1], dtype, dense_impl, sparse_impl, collect_selection, select_impl)
@@ -388,7 +391,7 @@ def _decode(params, tokens, positions, state, forecast, infinigen, *, plan: _Pla
         at = lambda t, i: None if t is None else jax.tree.map(lambda a: a[i], t)
         new_state = []
         for i, st in enumerate(state):
-            x, h_prev, st = _decode_layer(plan, layer, cos, sin, positions, n_blocks, x, h_prev, at(lps, i),
+            x, h_prev, st = _decode_layer(plan, layer, cos, sin, positions, n_blocks, x, h_prev, layer_params(lps, i),
                                           at(sels, i), at(igs, i), st, jnp.asarray(i == 0))
             new_state.append(st)
         return unembed(params, x, c)[:, 0], tuple(new_state)
@@ -401,7 +404,7 @@ def _decode(params, tokens, positions, state, forecast, infinigen, *, plan: _Pla
         return (x, h), st
 
     first = jnp.arange(c.num_layers) == 0
-    (x, _), new_state = jax.lax.scan(body, (x, h_prev), (lps, sels, igs, state, first))
+    (x, _), new_state = jax.lax.scan(body, (x, h_prev), (stacked_layers(lps), sels, igs, state, first))
     return unembed(params, x, c)[:, 0], new_state
 
 
@@ -414,6 +417,7 @@ def decode_step(params, tokens, positions, state: DecodeState, config: ModelConf
     state: a DecodeState from `prefill`, or its `layered_state` (faster: no copy of the state;
     the new state comes back in the layout given)."""
     _validate(config, mode, forecast, infinigen)
+    check_layers(params, config)
     if dense is None:
         dense = mode == "dense" or int(np.max(np.asarray(positions))) + 1 < config.sparse.dense_len
     plan = _Plan(config, mode, bool(dense), jnp.dtype(dtype), dense_impl, sparse_impl, False, select_impl)

@@ -90,6 +90,53 @@ def test_engine_resident_modes_equal_the_stacked_decode(setup, mode):
     assert isinstance(st, tuple) and len(st) == TINY.num_layers and st[0].kv.k.ndim == 4
 
 
+def test_engine_step_on_per_layer_weights_slices_none(setup):
+    """`layered_params`: the engine's layer loop (the copy custom calls' CPU twin, as the CUDA
+    path runs) gives the stacked weights' logits, and its compiled step (CPU HLO) slices no
+    backbone weight, where on the stacked tree every layer's are slices (the test's witness: on
+    the GPU XLA copied the o_proj slice, as it feeds a cuBLAS GEMM)."""
+    import re
+
+    from sparda_jax.infer.engine import _engine_decode, decode_plan
+    from sparda_jax.model import layered_params
+
+    params, forecast, _ = setup
+    b, t0 = 2, 70
+    tokens = jax.random.randint(jax.random.key(6), (b, t0 + 8), 0, TINY.vocab_size)
+    lengths = jnp.array([t0, t0 - 9], jnp.int32)
+    per_layer = layered_params(params)
+    slice_of = lambda a: ",".join(map(str, (1,) + a.shape[1:]))
+    # the Forecast's own stack stays stacked (its kernels, shaped as k_proj's here, feed a fused
+    # Triton GEMM on the GPU: no copy, stage hlo-decode): those shapes are left out
+    shapes = ({slice_of(a) for a in jax.tree.leaves(params["layers"]) if a.ndim > 2}
+              - {slice_of(forecast["f"]["kernel"])})
+    assert {"1,4,16,64", "1,64,4,16", "1,64,128", "1,128,64"} <= shapes  # o, q, gate/up, down
+
+    def run(p):
+        _, st = engine_prefill(params, tokens[:, :t0], lengths, TINY, mode="sparda", cache_size=t0 + 16,
+                               forecast=forecast)
+        plan = decode_plan(TINY, "sparda", st.cache, copy_impl="host_ffi")
+        hlo = _engine_decode.lower(p, tokens[:, t0], lengths, st, forecast, None, plan=plan).compile().as_text()
+        sliced = [m.group(1) for m in re.finditer(r"=\s*\w+\[([\d,]*)\]\S*\s+(?:slice|copy|dynamic-slice)\(", hlo)
+                  if m.group(1) in shapes]
+        out, pos = [], lengths
+        for i in range(6):
+            logits, st, _ = engine_decode_step(p, tokens[jnp.arange(b), t0 + i], pos, st, TINY, mode="sparda",
+                                               forecast=forecast, copy_impl="host_ffi")
+            out.append(logits)
+            pos = pos + 1
+        return jnp.stack(out), sliced
+
+    stacked, sliced_stacked = run(params)
+    layered, sliced_layered = run(per_layer)
+    np.testing.assert_allclose(layered, stacked, rtol=1e-6, atol=1e-6)  # the same math; f32 fusions may differ
+    assert sliced_stacked, "the stacked step no longer slices weights: this test needs a new witness"
+    assert sliced_layered == []
+    with pytest.raises(ValueError, match="layers"):
+        engine_decode_step(dict(per_layer, layers=per_layer["layers"][:2]), tokens[:, t0], lengths, None, TINY,
+                           mode="sparda", forecast=forecast)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
 def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start):

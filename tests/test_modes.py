@@ -13,6 +13,7 @@ from sparda_jax import forecast_param_count, forward, get_preset, init_forecast,
 from sparda_jax.compress import compress_keys
 from sparda_jax.infinigen import infinigen_setup
 from sparda_jax.metrics import attention_mass, block_recall
+from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, layered_state, prefill, stacked_state
 from sparda_jax.select import select_blocks_infllmv2
 
@@ -71,17 +72,22 @@ def test_tight_budget_differs_from_dense(tiny, mode):
 
 
 @pytest.mark.parametrize("mode", ["dense"] + SPARSE_MODES)
-@pytest.mark.parametrize("nosa,layered", [(False, False), (True, False), (True, True)])
-def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa, layered):
+@pytest.mark.parametrize("nosa,layered,per_layer_weights", [(False, False, False), (True, False, True),
+                                                            (True, True, True)])
+def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa, layered, per_layer_weights):
     """Teacher-forced decode, one token at a time from a prefilled state, reproduces the
     prefill logits of the same mode at every position (ragged batch included). layered: the
     state split per layer (`layered_state`, the Python loop over layers; NOSA's for every
-    field: K/V, compressed keys, cis and compressed cis, InfiniGen's partial keys)."""
+    field: K/V, compressed keys, cis and compressed cis, InfiniGen's partial keys).
+    per_layer_weights: prefill and decode read `layered_params` (the scans stack them back)."""
     config, setup = (TINY_NOSA, tiny_nosa) if nosa else (TINY, tiny)
     params, forecast, ig = setup
     b, t0, t1 = 2, 70, 150
     tokens = jax.random.randint(jax.random.key(3), (b, t1), 0, config.vocab_size)
     full = _run(config, setup, tokens, mode)
+    if per_layer_weights:
+        params = layered_params(params)
+        assert isinstance(params["layers"], tuple) and len(params["layers"]) == config.num_layers
     lengths = jnp.array([t0, t0 - 13], jnp.int32)
     prompt = jnp.where(jnp.arange(t0)[None] < lengths[:, None], tokens[:, :t0], 0)
     run = dict(mode=mode, forecast=forecast, infinigen=ig)

@@ -131,8 +131,14 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
                 # around each real-model miss rate (interpolated: bench.decode.at_miss_rate), 2 and 4 layers,
                 # every row also at 8 layers
       timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes sparse sparda \
-        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s 400 --repeats 12 \
+        --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --overlap --budget-s ${B8_BUDGET:-400} --repeats 12 \
         --marginal-layers 2 --validate-layers 8 --out "$OUT/decode_b8.json" 2>&1 | grep -v "^\[decode\]" | tail -30 ;;
+    weights-ab)  # SparDA at batch 8 on the stacked weights (each step slices every layer's; XLA copied the o_proj
+                 # slice feeding cuBLAS) and on per-layer weights (model.layered_params), one call, two JSONs (~150 s)
+      for W in stacked layered; do
+        timeout 150 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes sparda \
+          --reuse-fractions 0.88 --budget-s 60 --repeats 16 --weights $W --out "$OUT/decode_weights_$W.json" 2>&1 | tail -4
+      done ;;
     test-trace)  # the copy engine's timeline test alone
       timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_copy_engine.py -k trace 2>&1 | tail -3 ;;

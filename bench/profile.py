@@ -78,7 +78,16 @@ def summarize_trace(trace: dict, steps: int, top: int = 15) -> dict:
                     derived[thread(e)] = derived.get(thread(e), 0.0) + e["dur"] * 1e-6 / steps
             xs = [e for e in xs if thread(e).startswith("Stream")]
     else:
-        xs = [e for e in xs if "XLA" in thread(e) and "python" not in thread(e)]
+        # XLA's worker threads, and the ops a program ran inline on the calling thread (with the
+        # CPU's async dispatch off, small programs run there whole): the op events inside its
+        # "ThunkExecutor::Execute" spans, not the Python frames ($...) or the "end: ..." marks
+        runs = defaultdict(list)
+        for e in xs:
+            if e["name"].startswith("ThunkExecutor::Execute"):
+                runs[(e["pid"], e.get("tid"))].append((e["ts"], e["ts"] + e["dur"]))
+        inline = lambda e: (not e["name"].startswith(("$", "end: ", "ThunkExecutor")) and any(
+            a <= e["ts"] and e["ts"] + e["dur"] <= b for a, b in runs.get((e["pid"], e.get("tid")), ())))
+        xs = [e for e in xs if ("XLA" in thread(e) and "python" not in thread(e)) or inline(e)]
     if not xs:
         return {"source": source, "events": 0}
     us = 1e-6

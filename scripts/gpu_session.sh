@@ -80,6 +80,10 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --decode-batches 16 64 --decode-loop $L \
           --variants mosaic_gpu mosaic_gpu@s2n4 mosaic_gpu@s2n8 --repeats 10 --out "$OUT/attention_loop_$L.json" 2>&1 | tail -8
       done ;;
+    attention-steps)  # decode attention with 32 steps a timed call instead of 8: the host's dispatch and wait of
+                      # each call (tens of us) spread over 4x the steps (~80 s)
+      timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --decode-batches 16 64 --decode-steps 32 \
+        --variants mosaic_gpu mosaic_gpu@s2n4 --repeats 10 --out "$OUT/attention_steps32.json" 2>&1 | tail -8 ;;
     attention-split)  # the decode kernel's split pass alone vs the whole kernel (split pass + XLA combine),
                       # batch 16 and 64, 32K and 128K: what the combine costs (~60 s)
       timeout 200 python3 -m sparda_jax.cli bench attention --decode-only --lengths 32768 131072 \

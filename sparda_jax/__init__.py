@@ -9,7 +9,7 @@ from .attention import dense_attention
 from .config import ConfigError, ForecastConfig, LongRoPEConfig, ModelConfig, SparseConfig, get_preset, preset_names
 from .compress import CompressedKeys, compress_keys
 from .forecast import forecast_param_count, init_forecast
-from .model import KVCache, param_count
+from .model import KVCache, layered_params, param_count
 from .modes import MODES, DecodeState, decode_step, forward, forward_cached, prefill
 from .select import select_blocks_forecast, select_blocks_infllmv2, select_blocks_nosa
 from .attention import sparse_attention
@@ -41,6 +41,7 @@ __all__ = [
     "forward_cached",
     "get_preset",
     "init_model",
+    "layered_params",
     "load_pretrained",
     "param_count",
     "preset_names",

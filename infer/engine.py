@@ -483,7 +483,8 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
     params: stacked, or `sparda_jax.model.layered_params(params)` (made once, before the decode
-    loop): faster, as no layer's weights are sliced (and so copied) inside the step.
+    loop). Per layer, no weight is sliced inside the step, so XLA copies none. On the H200 that
+    removed one o_proj copy a layer, a gain within timing noise (bench/results/decode_weights_*.json).
 
     copy_impl: "cuda" (the UVA gather of kernels/copy), "host_ffi" (the same custom calls'
     CPU twin, for testing their use on the CPU), "xla" (the reference); None picks cuda on a

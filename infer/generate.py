@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.config import ModelConfig
-from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, prefill
 
 __all__ = ["SamplingConfig", "generate", "sample_next"]
@@ -70,8 +69,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     mode: an attention mode of `sparda_jax.MODES`, all KV on the device. system: instead, one
     of the engine's systems (`infer.engine.ENGINE_MODES`: dense_resident, sparse_resident,
     sparse, infinigen, sparda_sync, sparda), where the offload systems keep the KV of layers
-    1..L-1 in host memory; they decode on a per-layer copy of the layers' weights
-    (`sparda_jax.model.layered_params`, made once; pass params in that layout to skip it).
+    1..L-1 in host memory. Params may come stacked or per layer (`sparda_jax.layered_params`):
+    per layer, the engine's layer loop slices no weight, so XLA copies none, at the cost of
+    holding a second copy of the weights if the stacked tree is kept too.
     `on_step(generated)` is called after every step. pad_to: pad the
     prompts to at least this many tokens, so that batches of different prompt lengths share
     one compiled prefill and decode step."""
@@ -93,10 +93,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
         run = dict(mode=system, forecast=forecast, infinigen=infinigen, dtype=dtype)
         logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config,
                                        cache_size=cache_size, **run)
-        # per-layer weights for the engine's layer loop: made once (held beside `params` while
-        # generating), else every step copies the layers' weights that feed a cuBLAS GEMM
         step_fn = functools.partial(engine_decode_step, reuse=reuse, **run)
-        params = layered_params(params)
     else:
         run = dict(mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype)
         logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size,

@@ -235,8 +235,9 @@ def layered_params(params: dict) -> dict:
     layered `modes.decode_step`) then give each layer's weights to its GEMMs as they are. Taken
     from the stack, a layer's weights are a slice, and XLA copies a slice that feeds a cuBLAS
     call: on the H200 each layer's o_proj kernel (33.5 MB for minicpm4.1-8b) was copied every
-    decode step. Slicing here copies once, so the weights are held twice while the caller keeps
-    the stacked tree. The scans (prefill, training, a stacked decode state) stack a layered tree
+    decode step, though the step's time moved within noise (bench/results/decode_weights_*.json).
+    Slicing here copies once, so the weights are held twice while the caller keeps the stacked
+    tree. The scans (prefill, training, a stacked decode state) stack a layered tree
     back inside their jit: a copy of the weights per call."""
     layers = params["layers"]
     if isinstance(layers, tuple):

@@ -262,6 +262,8 @@ def test_generation_through_the_engine_matches_resident(setup):
     resident = generate(params, TINY, prompts, cfg, mode="sparda", forecast=forecast)
     offload, stats = generate(params, TINY, prompts, cfg, system="sparda", forecast=forecast, return_stats=True)
     assert offload == resident
+    from sparda_jax import layered_params  # per-layer weights: prefill stacks them back, decode reads them
+    assert generate(layered_params(params), TINY, prompts, cfg, system="sparda", forecast=forecast) == resident
     assert stats["steps"] == 39 and 0 < stats["copied_blocks"] < stats["selected_blocks"]
 
 

@@ -37,7 +37,8 @@ from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.attention import paged_sparse_attention, sparse_attention
 from sparda_jax.config import ModelConfig
-from sparda_jax.model import DecoderLayer, check_layers, embed, layer_params, rope_tables, stacked_layers, unembed
+from sparda_jax.model import (DecoderLayer, check_layers, embed, layer_params, per_layer, rope_tables, stacked,
+                              unembed)
 from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
 
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
@@ -93,19 +94,6 @@ class OffloadState(struct.PyTreeNode):
     @property
     def size(self) -> int:
         return self.l0["k"].shape[1]
-
-
-def per_layer(tree):
-    """A pytree stacked along a leading layer axis -> a tuple of per-layer pytrees (None stays)."""
-    if tree is None:
-        return None
-    n = jax.tree.leaves(tree)[0].shape[0]
-    return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n))
-
-
-def stacked(layers):
-    """The inverse of `per_layer`."""
-    return None if layers is None else jax.tree.map(lambda *a: jnp.stack(a), *layers)
 
 
 def _host_sharding():
@@ -433,7 +421,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
         nxt = lambda a: jnp.concatenate([a[1:], a[-1:]], axis=0)
         tail = lambda t: None if t is None else stacked(t[1:])  # per-layer tuples of layers 0..L-1
         cache_s = stacked(state.cache)
-        xs = dict(l=jnp.arange(1, c.num_layers), lp=jax.tree.map(lambda a: a[1:], stacked_layers(lps)), ckeys=tail(state.ckeys),
+        xs = dict(l=jnp.arange(1, c.num_layers), lp=jax.tree.map(lambda a: a[1:], stacked(lps)), ckeys=tail(state.ckeys),
                   ccis=tail(state.ccis), pk=tail(state.pk), table=state.table, cache=cache_s)
         if prefetch:
             xs.update(n_table=nxt(state.table), n_cache=jax.tree.map(nxt, cache_s),

@@ -41,8 +41,9 @@ __all__ = [
     "unembed",
     "param_count",
     "layered_params",
-    "stacked_layers",
     "layer_params",
+    "per_layer",
+    "stacked",
 ]
 
 Dtype = Any
@@ -229,6 +230,23 @@ def param_count(tree) -> int:
     return sum(int(a.size) for a in jax.tree.leaves(tree))
 
 
+def per_layer(tree):
+    """A pytree stacked along a leading layer axis -> a tuple of per-layer pytrees. None and a
+    tuple (already per layer) come back as they are."""
+    if tree is None or isinstance(tree, tuple):
+        return tree
+    n = int(jax.tree.leaves(tree)[0].shape[0])
+    return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n))
+
+
+def stacked(layers):
+    """The inverse of `per_layer`: per-layer pytrees stacked on a leading L axis. None and a
+    stacked tree come back as they are."""
+    if layers is None or not isinstance(layers, tuple):
+        return layers
+    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+
+
 def layered_params(params: dict) -> dict:
     """`params` with "layers" as a tuple of per-layer trees (no leading L axis), each leaf its
     own buffer. The decode paths that run the layers as a Python loop (the offload engine, a
@@ -237,20 +255,9 @@ def layered_params(params: dict) -> dict:
     call: on the H200 each layer's o_proj kernel (33.5 MB for minicpm4.1-8b) was copied every
     decode step, though the step's time moved within noise (bench/results/decode_weights_*.json).
     Slicing here copies once, so the weights are held twice while the caller keeps the stacked
-    tree. The scans (prefill, training, a stacked decode state) stack a layered tree
-    back inside their jit: a copy of the weights per call."""
-    layers = params["layers"]
-    if isinstance(layers, tuple):
-        return params
-    n = int(jax.tree.leaves(layers)[0].shape[0])
-    return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
-
-
-def stacked_layers(layers):
-    """The per-layer trees of `layered_params` stacked on a leading L axis (a stacked tree as it is)."""
-    if not isinstance(layers, tuple):
-        return layers
-    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    tree. The scans (prefill, training, a stacked decode state) stack a layered tree back inside
+    their jit (`stacked`): a copy of the weights per call."""
+    return {**params, "layers": per_layer(params["layers"])}
 
 
 def layer_params(layers, i: int):

@@ -30,8 +30,8 @@ from .attention import dense_attention, sparse_attention
 from .compress import CompressedKeys, compress_keys
 from .config import ModelConfig
 from .forecast import forecast_from_hidden, selector_kernels
-from .model import (DecoderLayer, KVCache, check_layers, check_tokens, embed, layer_params, rope_tables,
-                    stacked_layers, unembed)
+from .model import (DecoderLayer, KVCache, check_layers, check_tokens, embed, layer_params, per_layer, rope_tables,
+                    stacked, unembed)
 from .select import (compress_cis, nosa_refine, select_blocks_forecast, select_blocks_infinigen,
                      select_blocks_infllmv2)
 
@@ -223,7 +223,7 @@ def _forward(params, tokens, forecast, infinigen, *, plan: _Plan, return_kv: boo
         return (x, h), aux
 
     first = jnp.arange(c.num_layers) == 0
-    (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (stacked_layers(lps), sels, igs, first))
+    (x, _), aux = jax.lax.scan(body, (x, jnp.zeros_like(x)), (stacked(lps), sels, igs, first))
     if logits_at is not None:  # only these rows reach the LM head ([B, T, vocab] is huge at long T)
         x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
     return (unembed(params, x, c) if return_logits else None), aux
@@ -292,17 +292,12 @@ def layered_state(state: DecodeState) -> tuple[DecodeState, ...]:
     stack, and XLA copied the whole state on top (three full copies of [L, B, S, K, Dh] a step in
     the CPU HLO; Dense+ and Sparse+ decode ran at 2.6-2.8 ms a layer on the H200 at batch 8, 128K,
     where their attention reads 0.4 ms). Slicing here copies once."""
-    if isinstance(state, tuple):
-        return state
-    n = state.kv.k.shape[0]
-    return tuple(jax.tree.map(lambda a: a[i], state) for i in range(n))
+    return per_layer(state)
 
 
 def stacked_state(layers: tuple[DecodeState, ...]) -> DecodeState:
     """The inverse of `layered_state`."""
-    if isinstance(layers, DecodeState):
-        return layers
-    return jax.tree.map(lambda *a: jnp.stack(a), *layers)
+    return stacked(layers)
 
 
 def _build_state(config: ModelConfig, aux, lengths, cache_size: int, infinigen, sparse_state: bool) -> DecodeState:
@@ -404,7 +399,7 @@ def _decode(params, tokens, positions, state, forecast, infinigen, *, plan: _Pla
         return (x, h), st
 
     first = jnp.arange(c.num_layers) == 0
-    (x, _), new_state = jax.lax.scan(body, (x, h_prev), (stacked_layers(lps), sels, igs, state, first))
+    (x, _), new_state = jax.lax.scan(body, (x, h_prev), (stacked(lps), sels, igs, state, first))
     return unembed(params, x, c)[:, 0], new_state
 
 

@@ -97,7 +97,7 @@ def _h2d_gb_per_s(mib: int = 512, repeats: int = 5) -> float | None:
 class _Ctx:
     """What every configuration of one run shares: configs, weights, extras, references."""
 
-    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered"):
+    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = False):
         self.cfg, self.full = bench_config(preset, layers)
         self.params = make_params(self.cfg, seed)  # stacked: the resident reference's scan reads these
         if weights not in ("layered", "stacked"):
@@ -105,6 +105,7 @@ class _Ctx:
         # what the engine's steps read: per layer as `generate` gives them, or stacked (every step
         # slices each layer's weights; the o_proj slice is copied: the layout before 2026-12-02)
         self.step_params = layered_params(self.params) if weights == "layered" else self.params
+        self.copy_in_graph = copy_in_graph  # the engine's `copy_in_graph`, for every row of the run
         self.extras = make_extras(self.cfg, modes, seed)
         self.weights_full = weights_bytes(self.full)
         self.seed = seed
@@ -160,7 +161,7 @@ def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = F
     def step(tok, pos, st):
         return engine_decode_step(ctx.step_params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
                                   num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group,
-                                  copy_start=copy_start, **kw)
+                                  copy_start=copy_start, copy_in_graph=ctx.copy_in_graph, **kw)
     return step
 
 
@@ -345,7 +346,7 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
     skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
 
     plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas,
-                       copy_group=copy_group, copy_start=copy_start)
+                       copy_group=copy_group, copy_start=copy_start, copy_in_graph=ctx.copy_in_graph)
     host = state.host
     cache_l = dict(state.cache[0])
     del state
@@ -513,7 +514,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
                  with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, copy_group: int = 1,
-                 copy_start: str = "lanes", weights: str = "layered", marginal_layers: int | None = None,
+                 copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = False,
+                 marginal_layers: int | None = None,
                  validate_layers: int | None = None, seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
@@ -543,7 +545,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             r["ceilings_error"] = unavailable(e)
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
-    ctx = _Ctx(preset, layers, modes, seed, log, weights)
+    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph)
     for name, n in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
         if n is not None and not 2 <= n <= ctx.full.num_layers:  # the engine keeps layer 0 on the device
             raise ValueError(f"{name}={n}: need 2 to {ctx.full.num_layers} (the preset's layers)")
@@ -551,11 +553,12 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
     if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):
         raise ValueError("validate_layers needs marginal_layers and more layers than the layers timed")
-    ctx_lo = _Ctx(preset, marginal_layers, modes, seed, log, weights) if marginal_layers else None
+    ctx_lo = _Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph) if marginal_layers else None
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
                               copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
-                              copy_start=copy_start, weights=weights, marginal_layers=marginal_layers,
+                              copy_start=copy_start, weights=weights, copy_in_graph=copy_in_graph,
+                              marginal_layers=marginal_layers,
                               validate_layers=validate_layers)
     if real_model:
         try:
@@ -607,7 +610,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     def validate(rec, mode, t, b, again):
         """The estimate's prediction for validate_layers layers against a row timed with them."""
         if not ctx_v:
-            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights))
+            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph))
         x = decode_config(ctx_v[0], mode, t, b, **again)
         if x.get("status") != "ok":
             return {"layers": validate_layers, "status": x.get("status")}
@@ -920,7 +923,8 @@ def main(args) -> int:
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
                          profile_steps=args.profile_steps, overlap=args.overlap, copy_group=args.copy_group,
-                         copy_start=args.copy_start, weights=args.weights, marginal_layers=args.marginal_layers,
+                         copy_start=args.copy_start, weights=args.weights, copy_in_graph=args.copy_in_graph,
+                         marginal_layers=args.marginal_layers,
                          validate_layers=args.validate_layers, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

@@ -156,6 +156,8 @@ class _EnginePlan:
     copy_start: str = "lanes"
     # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
     skip_copies: bool = False
+    # the synchronous gather and the write-back as the custom calls XLA may record into its CUDA graphs
+    copy_in_graph: bool = False
 
 
 def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
@@ -206,7 +208,8 @@ def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: b
                for j, (p, f, c) in enumerate(zip(pools, caches,
                                                  lane_ctas(plan.num_ctas, caches, block_ndim=BLOCK_NDIM)))]
     else:
-        out = gather_blocks(tuple(pools), src, dst, tuple(caches), num_ctas=plan.num_ctas, **kw)
+        out = gather_blocks(tuple(pools), src, dst, tuple(caches), num_ctas=plan.num_ctas, in_graph=plan.copy_in_graph,
+                            **kw)
     return dict(zip(names, out))
 
 
@@ -458,7 +461,7 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
     staged = tuple(jnp.stack([c[n][bi, hi, slot[i]] for i, c in enumerate(state.cache)])
                    .reshape(l1 * b * kh, *state.host[n].shape[4:]).astype(state.host[n].dtype) for n in names)
     pools = tuple(state.host[n] for n in names)
-    out = scatter_blocks(staged, src, dst, pools, num_ctas=plan.num_ctas, block_ndim=BLOCK_NDIM,
+    out = scatter_blocks(staged, src, dst, pools, num_ctas=plan.num_ctas, block_ndim=BLOCK_NDIM, in_graph=plan.copy_in_graph,
                          implementation=plan.copy_impl)
     return state.replace(host=dict(zip(names, out)))
 
@@ -466,7 +469,8 @@ def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> Of
 def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
                        num_ctas: int | str | None = None, attention_impl: str | None = None,
-                       skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes"):
+                       skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
+                       copy_in_graph: bool = False):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
@@ -487,7 +491,11 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     the step's time is that of everything but the data movement. The write-back of completed
     blocks runs as usual. copy_group: tasks a copy CTA moves as one range (`gather_blocks`).
     copy_start ("sparda" with the CUDA copy): "lanes" starts K and V as copies of their own on two
-    side streams, "one" starts them as one copy (one launch, the whole CTA quota)."""
+    side streams, "one" starts them as one copy (one launch, the whole CTA quota).
+    copy_in_graph: the synchronous gather (sparse, infinigen, sparda_sync) and every mode's
+    write-back as custom calls declared safe for XLA's command buffers, so that XLA need not cut
+    its CUDA graph at each (same copies; equal outputs on the CPU twin, not yet run on the GPU).
+    The asynchronous starts and waits of "sparda" stay cuts."""
     sel = selector_of(mode)
     check_layers(params, config)
     if mode in RESIDENT_MODES:  # a stacked state is split once; the layered one comes back
@@ -503,13 +511,14 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
                          "(local_blocks * block_size >= kernel_size)")
     plan = decode_plan(config, mode, state.cache, dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
                        attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,
-                       copy_start=copy_start)
+                       copy_start=copy_start, copy_in_graph=copy_in_graph)
     return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
 
 
 def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,
                 copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
-                skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes") -> _EnginePlan:
+                skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
+                copy_in_graph: bool = False) -> _EnginePlan:
     """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
     state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
@@ -525,7 +534,7 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
     if copy_start not in ("lanes", "one"):
         raise ValueError(f"copy_start must be 'lanes' or 'one', got {copy_start!r}")
     return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, copy_group,
-                       copy_start, skip_copies)
+                       copy_start, skip_copies, bool(copy_in_graph))
 
 
 def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,

@@ -57,7 +57,10 @@ HOST_FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC")
 # XLA custom-call target -> symbol in the library
 TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": "SpardaGatherStart",
            "sparda_gather_wait": "SpardaGatherWait", "sparda_scatter_blocks": "SpardaScatterBlocks",
-           "sparda_gather_dma_start": "SpardaGatherDmaStart", "sparda_mark": "SpardaMark"}
+           "sparda_gather_dma_start": "SpardaGatherDmaStart", "sparda_mark": "SpardaMark",
+           # the synchronous gather and the write-back, recordable into XLA's command buffers
+           "sparda_gather_blocks_graph": "SpardaGatherBlocksGraph",
+           "sparda_scatter_blocks_graph": "SpardaScatterBlocksGraph"}
 # Threads per copy CTA, each with 4 16-byte loads in flight (gather_blocks.cu's kUnroll): 256
 # threads keep 16 KB of reads in flight per CTA, so 16 CTAs reach the bulk PCIe rate
 # (bench/results/decode_overlap.json: 49 of 52 GB/s); more threads per CTA carry the same bytes
@@ -313,20 +316,22 @@ def _copy_call(target: str, src, dst, froms, tos, *, host_result=False, **attrs)
 
 
 def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = COPY_THREADS, group: int = COPY_GROUP,
-                  block_ndim: int | None = None, implementation: str | None = None):
+                  block_ndim: int | None = None, implementation: str | None = None, in_graph: bool = False):
     """pool [n_pool, *block] (pinned host for "cuda"), src/dst int32 [n], cache [n_slots, *block]
     (device) -> the updated cache; or tuples of pools and caches (payloads, one launch) -> the
     tuple of caches. Blocks are whole trailing dims; their byte size must be a multiple of 16
     for "cuda". block_ndim: with it, pool and cache may be [..., *block] (the last block_ndim
     dims a block; blocks numbered in row-major order of the dims before them), passed to the
     custom call as they are: a reshape around an aliased custom call made XLA copy the whole
-    cache before it and again after (copy insertion does not see through the bitcast)."""
+    cache before it and again after (copy insertion does not see through the bitcast).
+    in_graph: the call's variant that XLA may record into its command buffers (CUDA graphs)
+    instead of cutting its graph there; the same copy (not yet timed on the GPU)."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
     _register(implementation)
-    out = _copy_call("sparda_gather_blocks", src, dst, pools, caches, num_ctas=np.int32(num_ctas),
+    out = _copy_call("sparda_gather_blocks_graph" if in_graph else "sparda_gather_blocks", src, dst, pools, caches, num_ctas=np.int32(num_ctas),
                      block_bytes=_block_bytes(caches, block_ndim), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out
 
@@ -456,16 +461,17 @@ def scatter_blocks_reference(cache, src, dst, pool, *, block_ndim: int | None = 
 
 
 def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = COPY_THREADS, group: int = COPY_GROUP,
-                   block_ndim: int | None = None, implementation: str | None = None):
+                   block_ndim: int | None = None, implementation: str | None = None, in_graph: bool = False):
     """cache [n_slots, *block] (device), src/dst int32 [n], pool [n_pool, *block] (pinned host
     for "cuda") -> the pool with pool[dst[i]] = cache[src[i]]; or tuples (payloads, one launch)
     -> the tuple of pools. "cuda" writes only those blocks, over UVA, into the pool's own memory
-    (it is aliased to the output); the reference moves the whole pool to the device and back."""
+    (it is aliased to the output); the reference moves the whole pool to the device and back.
+    in_graph: as `gather_blocks`'."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return scatter_blocks_reference(cache, src, dst, pool, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, dst, src, block_ndim)
     _register(implementation)
-    out = _copy_call("sparda_scatter_blocks", src, dst, caches, pools, host_result=True, num_ctas=np.int32(num_ctas),
+    out = _copy_call("sparda_scatter_blocks_graph" if in_graph else "sparda_scatter_blocks", src, dst, caches, pools, host_result=True, num_ctas=np.int32(num_ctas),
                      block_bytes=_block_bytes(caches, block_ndim), threads=np.int32(threads), group=np.int32(group))
     return out[0] if one else out

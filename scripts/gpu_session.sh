@@ -143,6 +143,17 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         timeout 150 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes sparda \
           --reuse-fractions 0.88 --budget-s 60 --repeats 16 --weights $W --out "$OUT/decode_weights_$W.json" 2>&1 | tail -4
       done ;;
+    decode-graph-plain|decode-graph|decode-graph-one)
+      # the batch-8 claim with all 32 layers timed (decode_b8_32layers.json: SparDA host-bound at 15-22 ms
+      # a step), plain; with the synchronous copies recordable into CUDA graphs (--copy-in-graph); and
+      # that with SparDA's K and V in one start. Random and reuse=0.88 rows; one stage a call (~330 s each)
+      case $stage in
+        decode-graph-plain) X=""; M="sparse sparda";;
+        decode-graph) X="--copy-in-graph"; M="sparse sparda";;
+        decode-graph-one) X="--copy-in-graph --copy-start one"; M="sparda";;
+      esac
+      timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes $M --layers 32 \
+        --reuse-fractions 0.88 --budget-s 400 --repeats 12 $X --out "$OUT/${stage//-/_}.json" 2>&1 | grep -E "^\| (Sparse|SparDA)" ;;
     test-trace)  # the copy engine's timeline test alone
       timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_copy_engine.py -k trace 2>&1 | tail -3 ;;

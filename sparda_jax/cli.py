@@ -351,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
+    bn.add_argument("--copy-in-graph", action="store_true",
+                    help="decode: the synchronous gather and the write-back as custom calls XLA may record into "
+                         "its CUDA graphs (the engine's copy_in_graph)")
     bn.add_argument("--pipeline-only", action="store_true",
                     help="copy: only the prefetch-pattern sweep (bench_pipeline: CTAs, threads, resident)")
     bn.add_argument("--budget-s", type=float,

@@ -113,9 +113,13 @@ def test_payload_errors():
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no nvcc on this machine")
 def test_cuda_source_compiles(tmp_path):
+    from sparda_jax.kernels.copy_engine import TARGETS
+
     lib = build_library(tmp_path)
     assert lib.stat().st_size > 10_000
     assert build_library(tmp_path) == lib  # cached
+    exported = lib.read_bytes()  # every registered target's symbol is in it (loading needs the CUDA driver)
+    assert all(sym.encode() + b"\0" in exported for sym in TARGETS.values())
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="no nvcc on this machine")

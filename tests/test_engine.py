@@ -40,7 +40,7 @@ def setup_nosa():
 
 
 def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None,
-         copy_start="lanes"):
+         copy_start="lanes", copy_in_graph=False):
     params, forecast, ig = setup
     b, t0 = 2, 70
     tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
@@ -60,7 +60,8 @@ def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, con
             logits, st = decode_step(params, tok, pos, st, config, mode=selector_of(mode), **kw)
         else:
             logits, st, stats = engine_decode_step(params, tok, pos, st, config, mode=mode, reuse=reuse,
-                                                   copy_impl=copy_impl, copy_start=copy_start, **kw)
+                                                   copy_impl=copy_impl, copy_start=copy_start,
+                                                   copy_in_graph=copy_in_graph, **kw)
             copied += int(stats["copied_blocks"])
             selected += int(stats["selected_blocks"])
         out.append(logits)
@@ -137,13 +138,26 @@ def test_engine_step_on_per_layer_weights_slices_none(setup):
                            mode="sparda", forecast=forecast)
 
 
+@pytest.mark.parametrize("mode", ["sparse", "sparda"])
+def test_copies_in_graph_are_the_same_copies(setup, mode):
+    """copy_in_graph: the custom calls declared safe for XLA's command buffers (here their CPU
+    twin) give the same logits and counts as the plain ones."""
+    ref, c0, s0 = _run(setup, mode, copy_impl="host_ffi", steps=30)
+    graph, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30, copy_in_graph=True)
+    np.testing.assert_array_equal(graph, ref)
+    assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
-def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start):
+@pytest.mark.parametrize("mode,copy_start,copy_in_graph", [("sparse", "lanes", False), ("sparda", "lanes", False),
+                                                           ("sparda", "one", False), ("sparse", "lanes", True),
+                                                           ("sparda", "lanes", True)])
+def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start, copy_in_graph):
     """On the GPU: the UVA gather (asynchronous start/wait in sparda, K and V on two lanes or
     in one start) and the in-place write-back of completed blocks give the reference copy
-    path's logits and counts."""
-    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", copy_start=copy_start)
+    path's logits and counts; so do the synchronous gather and the write-back recorded into
+    XLA's CUDA graphs (copy_in_graph)."""
+    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", copy_start=copy_start, copy_in_graph=copy_in_graph)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     np.testing.assert_allclose(cuda, ref, atol=2e-5)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1

@@ -487,3 +487,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("threads")
                                   .Attr<int32_t>("group"));
+
+// ---------------------------------------------------------------- the same two, inside CUDA graphs
+
+// The synchronous gather and the write-back again, declared safe to record into XLA's command
+// buffers (CUDA graphs): they only launch a kernel (and, if unaliased, a memcpy) on XLA's stream.
+// Without the trait XLA cuts its graph at every call; at 32 layers a decode step's host time was
+// 10-22 ms on the H200 (bench/results/decode_b8_32layers.json). Recorded, the host-side checks
+// and the unaliased counter run when XLA records the graph, not at every replay.
+// Opt-in (`copy_in_graph`) until timed on the GPU.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksGraph, CopyImpl,
+                              copy_binding()
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraph, CopyImpl,
+                              copy_binding()
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -180,6 +180,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
                                   .Attr<int32_t>("threads")
                                   .Attr<int32_t>("group"));
 
+// The command-buffer variants' twins: the CPU has no graphs, so the same copies
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksGraphHost, CopyImpl,
+                              copy_binding()
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraphHost, CopyImpl,
+                              copy_binding()
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("threads")
+                                  .Attr<int32_t>("group"));
+
 // The diagnostics mark's twin: the identity (the CPU has no timeline to record)
 static ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int32_t id) {
   (void)id;

@@ -58,6 +58,15 @@ static auto copy_binding() {
       .RemainingRets();
 }
 
+// The synchronous copies' whole signature: the leading operands, then their attributes
+static auto copy_call_binding() {
+  return copy_binding()
+      .Attr<int32_t>("num_ctas")
+      .Attr<ffi::Span<const int64_t>>("block_bytes")
+      .Attr<int32_t>("threads")
+      .Attr<int32_t>("group");
+}
+
 static ffi::Error cuda_error(const char* what, cudaError_t err) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
 }
@@ -132,11 +141,7 @@ static ffi::Error CopyImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocks, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"));
+                              copy_call_binding());
 
 // ---------------------------------------------------------------- asynchronous gather (start / wait)
 
@@ -482,11 +487,7 @@ extern "C" void sparda_trace_reset() {
 
 // src: the cache slot of each task, dst: its pool block; from = caches, to = pools (aliased)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"));
+                              copy_call_binding());
 
 // ---------------------------------------------------------------- the same two, inside CUDA graphs
 
@@ -497,17 +498,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocks, CopyImpl,
 // and the unaliased counter run when XLA records the graph, not at every replay.
 // Opt-in (`copy_in_graph`) until timed on the GPU.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksGraph, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"),
+                              copy_call_binding(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraph, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"),
+                              copy_call_binding(),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -32,6 +32,15 @@ static auto copy_binding() {
       .RemainingRets();
 }
 
+// The synchronous copies' whole signature: the leading operands, then their attributes
+static auto copy_call_binding() {
+  return copy_binding()
+      .Attr<int32_t>("num_ctas")
+      .Attr<ffi::Span<const int64_t>>("block_bytes")
+      .Attr<int32_t>("threads")
+      .Attr<int32_t>("group");
+}
+
 namespace {
 
 std::mutex g_mu;
@@ -86,11 +95,7 @@ static ffi::Error CopyImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksHost, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"));
+                              copy_call_binding());
 
 static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
                                   ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
@@ -174,25 +179,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWaitHost, GatherWaitImpl,
 
 // src: the cache slot of each task, dst: its pool block; from = caches, to = pools (aliased)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"));
+                              copy_call_binding());
 
 // The command-buffer variants' twins: the CPU has no graphs, so the same copies
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksGraphHost, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"));
+                              copy_call_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraphHost, CopyImpl,
-                              copy_binding()
-                                  .Attr<int32_t>("num_ctas")
-                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
-                                  .Attr<int32_t>("threads")
-                                  .Attr<int32_t>("group"));
+                              copy_call_binding());
 
 // The diagnostics mark's twin: the identity (the CPU has no timeline to record)
 static ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int32_t id) {

@@ -513,12 +513,14 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  layers: int | None = 4, steps: int = 6, warmup: int = 2, reuse_fractions=(0.5,),
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
-                 with_ceilings: bool = True, profile_steps: int = 0, overlap: bool = False, copy_group: int = 1,
+                 with_ceilings: bool = True, profile_steps: int = 0, profile_reuse: bool = False,
+                 overlap: bool = False, copy_group: int = 1,
                  copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = False,
                  marginal_layers: int | None = None,
                  validate_layers: int | None = None, seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
+    (with profile_reuse, of their reuse rows too)
     (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the rows (random
     traffic and reuse variants) of sparda and sparda_sync among the claims' pairs, also time the
     step without its copies and the copies alone (rec["overlap"], `_overlap`), and claim
@@ -577,9 +579,10 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             return None
         try:
             prof = {}
-            if profile_steps and not kw.get("reuse_fraction") and claim_pair(mode, b):
+            if profile_steps and claim_pair(mode, b) and (profile_reuse or not kw.get("reuse_fraction")):
+                tag = f"_reuse{kw['reuse_fraction']:.2f}" if kw.get("reuse_fraction") else ""
                 prof = dict(profile_steps=profile_steps, profile_dir=pathlib.Path(out or ".").parent / "profiles"
-                            / f"decode_{mode}_T{t}_B{b}")
+                            / f"decode_{mode}_T{t}_B{b}{tag}")
             if overlap and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
                 prof["overlap"] = True
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
@@ -847,7 +850,8 @@ def table(r: dict) -> str:
                  "feasibility from memory_report of the full model")
     from sparda_jax.bench.profile import profile_lines
 
-    lines += profile_lines(rows, label=lambda x: f"{LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']}")
+    lines += profile_lines(rows, label=lambda x: f"{LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} "
+                                                 f"{x.get('variant', '')}")
     return "\n".join(lines)
 
 
@@ -922,7 +926,8 @@ def main(args) -> int:
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
-                         profile_steps=args.profile_steps, overlap=args.overlap, copy_group=args.copy_group,
+                         profile_steps=args.profile_steps, profile_reuse=args.profile_reuse, overlap=args.overlap,
+                         copy_group=args.copy_group,
                          copy_start=args.copy_start, weights=args.weights, copy_in_graph=args.copy_in_graph,
                          marginal_layers=args.marginal_layers,
                          validate_layers=args.validate_layers, out=out)

@@ -28,6 +28,7 @@ Summary (per step, seconds):
                   largest_gaps inside, with the kernels on either side
   host_top        the host events with the most total time (names, seconds and calls per step):
                   CUDA API calls such as cuLaunchKernel / cuGraphLaunch, XLA's thunks
+  host_api        the same for the CUDA API calls alone (names starting with "cu")
 """
 
 from __future__ import annotations
@@ -121,6 +122,11 @@ def summarize_trace(trace: dict, steps: int, top: int = 15) -> dict:
     if source == "device" and host:
         out["host_top"] = [{"name": n[:120], "s_per_step": host[n] / steps, "calls_per_step": host_calls[n] / steps}
                            for n in sorted(host, key=host.get, reverse=True)[:top]]
+        # the CUDA API calls alone (driver cu*, runtime cuda*): launches, graph launches and
+        # updates, event records and waits per step, which the top list's Python frames crowd out
+        api = [n for n in host if n.startswith("cu")]
+        out["host_api"] = [{"name": n[:120], "s_per_step": host[n] / steps, "calls_per_step": host_calls[n] / steps}
+                           for n in sorted(api, key=host.get, reverse=True)[:top]]
     return out
 
 
@@ -217,4 +223,6 @@ def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", t
                 for t in p["top"][:top]]
         out += [f"    host {t['s_per_step'] * 1e3:8.3f} ms  x{t['calls_per_step']:.0f}  {t['name'][:80]}"
                 for t in p.get("host_top", [])[:top]]
+        out += [f"    cuda {t['s_per_step'] * 1e3:8.3f} ms  x{t['calls_per_step']:.0f}  {t['name'][:80]}"
+                for t in p.get("host_api", [])[:top]]
     return out

@@ -154,6 +154,23 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       esac
       timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes $M --layers 32 \
         --reuse-fractions 0.88 --budget-s 400 --repeats 12 $X --out "$OUT/${stage//-/_}.json" 2>&1 | grep -E "^\| (Sparse|SparDA)" ;;
+    decode-depth)  # the batch-8 claim at full depth (32 layers) with the copies in XLA's graphs (--copy-in-graph):
+                   # the engine's copy_in_graph GPU tests; then every row timed and 2 steps of each traced (device
+                   # busy/idle, the host's CUDA API calls: is the step host- or device-bound?); then the same rows
+                   # with CUDA's launch queues 4x deep (does the host block on a full queue?), compiled programs
+                   # from the persistent cache ($OUT/jaxcache, also carried back for the next call) (~520 s)
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 90 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine.py -k "cuda_copy_engine_equals" > "$OUT/gpu_tests_engine_graph.log" 2>&1
+      grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests_engine_graph.log" | tail -5
+      export JAX_COMPILATION_CACHE_DIR="$OUT/jaxcache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=5
+      XF0="${XLA_FLAGS:-}"; export XLA_FLAGS="$XF0 --xla_enable_command_buffers_during_profiling=true"
+      A="--lengths 131072 --batches 8 --modes sparse sparda --layers 32 --reuse-fractions 0.88 --repeats 12 --copy-in-graph"
+      timeout 380 python3 -m sparda_jax.cli bench decode $A --budget-s 330 --profile-steps 2 --profile-reuse \
+        --out "$OUT/decode_depth_graph.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|^profile|^    (host|cuda)"
+      CUDA_SCALE_LAUNCH_QUEUES=4x timeout 150 python3 -m sparda_jax.cli bench decode $A --budget-s 120 \
+        --out "$OUT/decode_depth_queue4x.json" 2>&1 | grep -E "^\| (Sparse|SparDA)"
+      export XLA_FLAGS="$XF0"; unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+      du -sh "$OUT/jaxcache"; ls -la "$OUT/jaxcache" | head -20 ;;
     test-trace)  # the copy engine's timeline test alone
       timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_copy_engine.py -k trace 2>&1 | tail -3 ;;

@@ -375,6 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--profile-steps", type=int, default=0,
                     help="decode: trace this many extra steps of the claims' rows (bench.profile): device busy/idle "
                          "time per step, per stream, top kernels; traces under <out's folder>/profiles/")
+    bn.add_argument("--profile-reuse", action="store_true",
+                    help="decode, with --profile-steps: trace the claims' reuse rows too (each a trace of its own)")
     bn.add_argument("--overlap", action="store_true",
                     help="decode: for the claims' random rows of sparda and sparda_sync, also time the step with "
                          "every copy disabled (compute alone) and the copies alone; claim SparDA's step <= 1.1 x "

@@ -12,6 +12,11 @@ import jax
 
 __all__ = ["environment"]
 
+# variables that change what a timed run measures (XLA's command buffers, the CUDA launch queues,
+# the compilation cache): recorded with each result so that two JSONs say how they differ
+_RUN_VARIABLES = ("XLA_FLAGS", "CUDA_SCALE_LAUNCH_QUEUES", "CUDA_DEVICE_MAX_CONNECTIONS",
+                  "JAX_COMPILATION_CACHE_DIR", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
 
 def _git(*args: str) -> str | None:
     root = Path(__file__).resolve().parent.parent
@@ -38,4 +43,5 @@ def environment() -> dict:
         "device_count": jax.device_count(),
         "python": platform.python_version(),
         "time_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "variables": {k: os.environ[k] for k in _RUN_VARIABLES if k in os.environ},
     }

@@ -204,7 +204,7 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     # the trace is kept flat beside the profile folder (the device tool brings back shallow files)
     assert (tmp_path / "profiles" / "decode_sparda_T256_B8.trace.json.gz").is_file()
     assert not (tmp_path / "profiles" / "decode_sparda_T256_B8").exists() and "profile" not in rows[("sparda", "reuse=0.50")]
-    assert "profile SparDA T=256 B=8 (host" in table(r)
+    assert "profile SparDA T=256 B=8 random (host" in table(r)
     out = plot(tmp_path / "decode.json")
     assert out is None or out.endswith("decode.png")
 
@@ -225,6 +225,8 @@ def test_trace_summary_of_a_known_trace():
                {"ph": "X", "pid": 1, "tid": 7, "ts": o + 300, "dur": 100, "name": "b"},
                {"ph": "X", "pid": 1, "tid": 9, "ts": o + 50, "dur": 200, "name": "copy"},
                {"ph": "X", "pid": 2, "tid": 3, "ts": o, "dur": 999, "name": "host work"},
+               {"ph": "X", "pid": 2, "tid": 3, "ts": o + 10, "dur": 4, "name": "cuLaunchKernel"},
+               {"ph": "X", "pid": 2, "tid": 3, "ts": o + 20, "dur": 6, "name": "cuLaunchKernel"},
                {"ph": "X", "pid": 1, "tid": 5, "ts": o, "dur": 450, "name": "jit_step"}]  # spans the kernels
     s = summarize_trace({"traceEvents": meta + xs}, steps=2)
     assert s["source"] == "device" and s["events"] == 6 and s["kernels_per_step"] == 3
@@ -241,7 +243,8 @@ def test_trace_summary_of_a_known_trace():
     # inside each: idle 250-300 (copy -> b) and 400-450 (b -> the end)
     assert m["idle_inside_s_per_step"] == pytest.approx(100e-6, rel=1e-9)
     assert {(g["after"], g["before"]) for g in m["largest_gaps"]} == {("copy", "b"), ("b", "(end)")}
-    assert s["host_top"] == [{"name": "host work", "s_per_step": pytest.approx(999e-6, rel=1e-9), "calls_per_step": 1}]
+    assert s["host_top"][0] == {"name": "host work", "s_per_step": pytest.approx(999e-6, rel=1e-9), "calls_per_step": 1}
+    assert s["host_api"] == [{"name": "cuLaunchKernel", "s_per_step": pytest.approx(10e-6, rel=1e-9), "calls_per_step": 2}]
 
 
 def test_decode_bench_reports_what_does_not_fit():

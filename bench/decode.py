@@ -97,7 +97,7 @@ def _h2d_gb_per_s(mib: int = 512, repeats: int = 5) -> float | None:
 class _Ctx:
     """What every configuration of one run shares: configs, weights, extras, references."""
 
-    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = False):
+    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = True):
         self.cfg, self.full = bench_config(preset, layers)
         self.params = make_params(self.cfg, seed)  # stacked: the resident reference's scan reads these
         if weights not in ("layered", "stacked"):
@@ -515,7 +515,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
                  with_ceilings: bool = True, profile_steps: int = 0, profile_reuse: bool = False,
                  overlap: bool = False, copy_group: int = 1,
-                 copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = False,
+                 copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = True,
                  marginal_layers: int | None = None,
                  validate_layers: int | None = None, seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).

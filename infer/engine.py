@@ -40,6 +40,7 @@ from sparda_jax.config import ModelConfig
 from sparda_jax.model import (DecoderLayer, check_layers, embed, layer_params, per_layer, rope_tables, stacked,
                               unembed)
 from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
+from sparda_jax.runtime import warn_if_default_launch_queues
 
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
                                             gather_blocks_start, gather_blocks_wait, lane_ctas, paper_num_ctas,
@@ -157,7 +158,7 @@ class _EnginePlan:
     # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
     skip_copies: bool = False
     # the synchronous gather and the write-back as the custom calls XLA may record into its CUDA graphs
-    copy_in_graph: bool = False
+    copy_in_graph: bool = True
 
 
 def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
@@ -470,7 +471,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
                        num_ctas: int | str | None = None, attention_impl: str | None = None,
                        skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
-                       copy_in_graph: bool = False):
+                       copy_in_graph: bool = True):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
@@ -492,10 +493,13 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     blocks runs as usual. copy_group: tasks a copy CTA moves as one range (`gather_blocks`).
     copy_start ("sparda" with the CUDA copy): "lanes" starts K and V as copies of their own on two
     side streams, "one" starts them as one copy (one launch, the whole CTA quota).
-    copy_in_graph: the synchronous gather (sparse, infinigen, sparda_sync) and every mode's
-    write-back as custom calls declared safe for XLA's command buffers, so that XLA need not cut
-    its CUDA graph at each (same copies; equal outputs on the CPU twin, not yet run on the GPU).
-    The asynchronous starts and waits of "sparda" stay cuts."""
+    copy_in_graph (default): the synchronous gather (sparse, infinigen, sparda_sync) and every
+    mode's write-back as custom calls declared safe for XLA's command buffers, so that XLA need
+    not cut its CUDA graph at each. The same copies (equal tokens and logits on the CPU twin and
+    on the H200); at full depth, batch 8, 128K it took Sparse's whole step into one graph and
+    its host time from 10.4 to 6.2 ms (bench/results/decode_depth_graph.json against
+    decode_b8_32layers.json, two calls). The asynchronous starts and waits of "sparda" stay cuts.
+    False: the calls of before, cut points of XLA's graphs."""
     sel = selector_of(mode)
     check_layers(params, config)
     if mode in RESIDENT_MODES:  # a stacked state is split once; the layered one comes back
@@ -518,13 +522,15 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
 def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,
                 copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
                 skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
-                copy_in_graph: bool = False) -> _EnginePlan:
+                copy_in_graph: bool = True) -> _EnginePlan:
     """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
     state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
     batch = int(cache[0]["k"].shape[0])
     if copy_impl is None:
         copy_impl = "cuda" if jax.default_backend() == "gpu" else "xla"
+    if copy_impl == "cuda":
+        warn_if_default_launch_queues(config.num_layers)
     if num_ctas is None:
         num_ctas = paper_num_ctas(batch)
     elif num_ctas == "auto":  # timed once per copy size on this GPU (cached)

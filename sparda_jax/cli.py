@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, set_launch_queues
+
 __all__ = ["main"]
 
 _DTYPES = ("float32", "bfloat16")
@@ -238,6 +240,9 @@ def _cmd_info(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparda", description=__doc__.splitlines()[0])
+    p.add_argument("--launch-queues", default="4x", choices=[*LAUNCH_QUEUE_SCALES, "default"],
+                   help=f"CUDA's launch-queue multiplier ({LAUNCH_QUEUES}) for this run; an exported value wins. "
+                        "A full-depth decode step outgrows the default queues (sparda_jax.runtime)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(sp, default="smollm2-135m"):
@@ -351,9 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
-    bn.add_argument("--copy-in-graph", action="store_true",
+    bn.add_argument("--copy-in-graph", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: the synchronous gather and the write-back as custom calls XLA may record into "
-                         "its CUDA graphs (the engine's copy_in_graph)")
+                         "its CUDA graphs (the engine's copy_in_graph, default); --no-copy-in-graph: graph cuts")
     bn.add_argument("--pipeline-only", action="store_true",
                     help="copy: only the prefetch-pattern sweep (bench_pipeline: CTAs, threads, resident)")
     bn.add_argument("--budget-s", type=float,
@@ -401,6 +406,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.launch_queues != "default":
+        try:
+            set_launch_queues(args.launch_queues)  # before any command touches the GPU
+        except RuntimeError as e:  # main() called in a process already on the GPU: run, but say so
+            print(f"sparda: warning: {e}", file=sys.stderr)
     try:
         return args.fn(args)
     except (FileNotFoundError, ValueError) as e:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+
+import pytest
 
 from sparda_jax.cli import main
 
@@ -59,3 +62,38 @@ def test_copy_options_are_checked_before_any_work(capsys):
         with pytest.raises(SystemExit):
             main(["bench", "decode", *bad])
     assert "a copy group is an integer in 1..8" in capsys.readouterr().err
+
+
+def test_launch_queues_are_set_before_the_gpu_starts(monkeypatch, capsys):
+    from sparda_jax import runtime
+
+    monkeypatch.delenv(runtime.LAUNCH_QUEUES, raising=False)
+    with pytest.raises(ValueError, match="one of"):
+        runtime.set_launch_queues("3x")
+    assert main(["--launch-queues", "2x", "info"]) == 0  # no GPU here: set, and harmless
+    assert os.environ[runtime.LAUNCH_QUEUES] == "2x"
+    assert runtime.set_launch_queues("4x") == "2x"  # a value in the environment wins
+    monkeypatch.setattr(runtime, "_gpu_started", lambda: True)  # as if JAX already ran on a GPU
+    with pytest.raises(RuntimeError, match="before JAX first uses the GPU"):
+        runtime.set_launch_queues("4x", override=True)
+    assert os.environ[runtime.LAUNCH_QUEUES] == "2x"  # unchanged: CUDA would not see it
+    assert main(["--launch-queues", "0.5x", "info"]) == 0  # the command still runs (the value in effect: 2x)
+    monkeypatch.delenv(runtime.LAUNCH_QUEUES)
+    assert main(["--launch-queues", "4x", "info"]) == 0
+    assert "must be set before JAX first uses the GPU" in capsys.readouterr().err  # said, not silently ignored
+    assert runtime.LAUNCH_QUEUES not in os.environ
+
+
+def test_a_deep_gpu_decode_warns_once_about_default_launch_queues(monkeypatch):
+    import warnings
+
+    from sparda_jax import runtime
+
+    monkeypatch.delenv(runtime.LAUNCH_QUEUES, raising=False)
+    monkeypatch.setattr(runtime, "_warned", False)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        runtime.warn_if_default_launch_queues(8)  # shallow: the queues hold its launches
+        runtime.warn_if_default_launch_queues(32)
+        runtime.warn_if_default_launch_queues(32)  # once per process
+    assert len(w) == 1 and "CUDA_SCALE_LAUNCH_QUEUES=4x" in str(w[0].message)

@@ -200,6 +200,21 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       # at most 8 files come back: the traces as one archive, no plots but the claims'
       tar czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -rf "$OUT/profiles"
       rm -f "$OUT"/decode_depth_{one,vlog,skiptemp}.png; ls -la "$OUT" ;;
+    hlo-graphs)  # which ops of the decode step XLA leaves outside its command buffers (CUDA graphs): at full
+                 # depth SparDA ran 33 graphs of 5 commands a step, Sparse one graph of every kernel
+                 # (decode_depth_*.json, XLA's VLOG). The optimized HLO of both steps at 4 layers, batch 8, 128K
+                 # (~80 s), summarised by scripts/probes/graph_cuts.py, kept as one archive
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo_graphs --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*engine_decode.*" \
+      timeout 150 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --modes sparse sparda \
+        --reuse-fractions 0.88 --budget-s 100 --repeats 2 --out "$OUT/decode_hlo_graphs.json" 2>&1 | grep -E "^\| (Sparse|SparDA)"
+      find "$OUT/hlo_graphs" -type f ! -name "*after_optimizations.txt" -delete
+      python3 scripts/probes/graph_cuts.py "$OUT"/hlo_graphs/*after_optimizations.txt
+      tar czf "$OUT/hlo_graphs.tgz" -C "$OUT" hlo_graphs && rm -rf "$OUT/hlo_graphs" "$OUT/decode_hlo_graphs.png" ;;
+    decode-depth-one)  # SparDA at full depth with K and V in one start (half the graph cuts), launch queues 4x,
+                       # random and reuse=0.88 rows (~150 s)
+      timeout 175 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --copy-start one --budget-s 150 --out "$OUT/decode_depth_one.json" \
+        2>&1 | grep -E "^\| (Sparse|SparDA)" ;;
     test-trace)  # the copy engine's timeline test alone
       timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_copy_engine.py -k trace 2>&1 | tail -3 ;;

@@ -149,3 +149,34 @@ bench_pipeline(layers=3, blocks=(8,), ctas=(2,), threads=(256,), starts=("lanes"
         big = [m for m in re.findall(r"= ((?:f32|bf16|f16)\[[\d,]+\])\{[^}]*\} copy\(", entry)
                if len(m.split("[")[1].split(",")) >= 4]
         assert not big, (f.name, big)
+
+
+GRAPHS_HLO = """HloModule jit_step, is_scheduled=true
+
+%command_buffer (p0: f32[8], p1: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %p1 = f32[8]{0} parameter(1)
+  %fusion.1 = f32[8]{0} fusion(%p0, %p1), kind=kLoop, calls=%fused_add
+  ROOT %fusion.2 = f32[8]{0} fusion(%fusion.1), kind=kLoop, calls=%fused_tanh
+}
+
+ENTRY %main (a: f32[8], b: f32[8]) -> f32[8] {
+  %a = f32[8]{0} parameter(0)
+  %b = f32[8]{0} parameter(1)
+  %call = f32[8]{0} call(%a, %b), to_apply=%command_buffer
+  %custom-call.3 = f32[8]{0} custom-call(%call), custom_call_target="sparda_gather_start", api_version=API_VERSION_TYPED_FFI
+  %fusion.4 = f32[8]{0} fusion(%custom-call.3), kind=kLoop, calls=%fused_neg
+  %gte = f32[8]{0} get-tuple-element(%fusion.4), index=0
+  ROOT %custom-call.5 = f32[8]{0} custom-call(%fusion.4), custom_call_target="sparda_gather_wait"
+}
+"""
+
+
+def test_graph_cuts_counts_what_runs_outside_command_buffers():
+    s = _load("graph_cuts").summarize(GRAPHS_HLO)
+    assert s["graphs"] == 1 and s["graph_sizes"] == [2] and s["ops_in_graphs"] == 2
+    # the two custom calls and the fusion between them launch on their own; parameters and
+    # get-tuple-element launch nothing
+    assert s["outside_by_op"] == {"custom-call[sparda_gather_start]": 1, "fusion": 1,
+                                  "custom-call[sparda_gather_wait]": 1}
+    assert s["schedule_head"] == ["CB2", "cc[sparda_gather_start]", "fusion", "cc[sparda_gather_wait]"]

@@ -171,35 +171,25 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         --out "$OUT/decode_depth_queue4x.json" 2>&1 | grep -E "^\| (Sparse|SparDA)"
       export XLA_FLAGS="$XF0"; unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
       du -sh "$OUT/jaxcache"; ls -la "$OUT/jaxcache" | head -20 ;;
-    decode-depth2)  # full depth (32 layers), batch 8, 128K, copies in graphs, CUDA's launch queues 4x (the CLI's
-                    # default now): (1) the claims' rows at SmolLM2's miss rates, 2 steps of each traced; (2) SparDA
-                    # with K and V in one start; (3) which of SparDA's graphs XLA re-records each step, and how many
-                    # allocations changed (XLA's VLOG); (4) SparDA with XLA's temp buffer at a fixed address
-                    # (--xla_gpu_command_buffer_update_mode=SKIP_TEMP). Programs of decode-depth from the carried
-                    # persistent cache (.jaxcache) (~420 s)
-      mkdir -p /tmp/jaxcache; cp .jaxcache/* /tmp/jaxcache/ 2>/dev/null
-      export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=5
-      XF0="${XLA_FLAGS:-}"; export XLA_FLAGS="$XF0 --xla_enable_command_buffers_during_profiling=true"
-      A="--lengths 131072 --batches 8 --layers 32 --repeats 12"
-      timeout 200 python3 -m sparda_jax.cli bench decode $A --modes sparse sparda --reuse-fractions \
-        --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 170 --profile-steps 2 --profile-reuse \
-        --out "$OUT/decode_depth_claims.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|^profile|^    (host|cuda)"
-      timeout 150 python3 -m sparda_jax.cli bench decode $A --modes sparda --reuse-fractions 0.88 --copy-start one \
-        --budget-s 120 --out "$OUT/decode_depth_one.json" 2>&1 | grep -E "^\| (Sparse|SparDA)"
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 100 python3 -m sparda_jax.cli bench decode \
-        --lengths 131072 --batches 8 --layers 32 --repeats 4 --modes sparda --reuse-fractions 0.88 --budget-s 60 \
-        --out "$OUT/decode_depth_vlog.json" > "$OUT/vlog.txt" 2>&1
-      grep -c "Update command buffer" "$OUT/vlog.txt"; grep -c "Execute command buffer" "$OUT/vlog.txt"
-      grep -o "num_commands=[0-9]*; updated_allocs=[0-9]*" "$OUT/vlog.txt" | sort | uniq -c | sort -rn | head -30
-      grep "Update command buffer\|Execute command buffer" "$OUT/vlog.txt" | tail -80 > "$OUT/vlog_tail.txt"
-      grep -v "command_buffer_thunk" "$OUT/vlog.txt" | tail -5; rm -f "$OUT/vlog.txt"
-      XLA_FLAGS="$XLA_FLAGS --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 150 python3 -m sparda_jax.cli \
-        bench decode $A --modes sparda --reuse-fractions 0.88 --budget-s 120 --out "$OUT/decode_depth_skiptemp.json" \
-        2>&1 | grep -E "^\| (Sparse|SparDA)|rror|arning" | head -12
-      export XLA_FLAGS="$XF0"; unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-      # at most 8 files come back: the traces as one archive, no plots but the claims'
-      tar czf "$OUT/profiles.tgz" -C "$OUT" profiles && rm -rf "$OUT/profiles"
-      rm -f "$OUT"/decode_depth_{one,vlog,skiptemp}.png; ls -la "$OUT" ;;
+    decode-claims32)  # the batch-8 claim at full depth (32 layers), copies in graphs, CUDA's launch queues 4x (the
+                      # CLI's default): random traffic and the rows around SmolLM2's miss rates, both modes (~330 s).
+                      # (decode-depth2 put this, K and V in one start, a log run and an XLA-flag run in one call:
+                      # uncached 32-layer compiles, ~75 s a program, overran the 600 s limit)
+      timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 420 \
+        --out "$OUT/decode_claims32.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse" ;;
+    graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
+                    # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py), fresh
+                    # inputs each step and one input buffer for all; the thunk sequence after XLA's passes (~150 s)
+      for V in fresh same; do
+        F=""; [ $V = same ] && F="--same-inputs"
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/thunks_$V --xla_dump_hlo_module_re=.*engine_decode.*" \
+        TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 timeout 150 \
+          python3 scripts/probes/graph_updates.py --mode sparda --layers 4 --steps 6 $F > "$OUT/graph_updates_$V.log" 2>&1
+        python3 scripts/probes/graph_updates.py --summarize "$OUT/graph_updates_$V.log"
+      done
+      find /tmp/thunks_fresh -name "*thunk_sequence*" -exec cp {} "$OUT/" \; ; ls "$OUT"
+      gzip -f "$OUT"/graph_updates_*.log ;;
     hlo-graphs)  # which ops of the decode step XLA leaves outside its command buffers (CUDA graphs): at full
                  # depth SparDA ran 33 graphs of 5 commands a step, Sparse one graph of every kernel
                  # (decode_depth_*.json, XLA's VLOG). The optimized HLO of both steps at 4 layers, batch 8, 128K

@@ -180,3 +180,37 @@ def test_graph_cuts_counts_what_runs_outside_command_buffers():
     assert s["outside_by_op"] == {"custom-call[sparda_gather_start]": 1, "fusion": 1,
                                   "custom-call[sparda_gather_wait]": 1}
     assert s["schedule_head"] == ["CB2", "cc[sparda_gather_start]", "fusion", "cc[sparda_gather_wait]"]
+
+
+def test_decode_compare_plot_reads_committed_runs(tmp_path):
+    spec = importlib.util.spec_from_file_location("plot_decode_compare", ROOT / "scripts" / "plot_decode_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = mod.rows_of(str(ROOT / "bench" / "results" / "decode_depth_queue4x.json"))
+    assert r["commit"] == "7b25dc4"
+    assert set(r["rows"]) == {("Sparse", "random"), ("Sparse", "reuse=0.88"), ("SparDA", "random"), ("SparDA", "reuse=0.88")}
+    step, host = r["rows"][("SparDA", "reuse=0.88")]
+    assert 0 < host < step  # with 4x queues the host runs ahead of SparDA's device step
+    out = mod.plot(str(tmp_path / "cmp.png"), [("a", str(ROOT / "bench" / "results" / "decode_depth_graph.json")),
+                                                ("b", str(ROOT / "bench" / "results" / "decode_depth_queue4x.json"))])
+    assert (tmp_path / "cmp.png").stat().st_size > 0 and out.endswith("cmp.png")
+
+
+def test_graph_updates_counts_re_recordings_per_step():
+    mod = _load("graph_updates")
+    log = [
+        "I1202 thunk.cc:336] [0] Create/Update command buffer by recoding command buffer cmd sequence after 1 "
+        "executions since last update; num_commands=5; updated_allocs=4; is_first_record=true",  # before any step
+        f"{mod.MARK}0",
+        "I1202 thunk.cc:371] [0] Execute command buffer; num_executions=1",
+        f"{mod.MARK}1",
+        "I1202 thunk.cc:336] [0] Create/Update command buffer by recoding command buffer cmd sequence after 1 "
+        "executions since last update; num_commands=40; updated_allocs=2; is_first_record=false; needs_update=true",
+        "I1202 thunk.cc:371] [0] Execute command buffer; num_executions=1",
+        "I1202 thunk.cc:371] [0] Execute command buffer; num_executions=2",
+        f"{mod.MARK}2 (end)",
+    ]
+    s = mod.summarize(log)
+    assert s[0] == {"executions": 1, "updates": 0, "updated": {}}
+    assert s[1]["executions"] == 2 and s[1]["updates"] == 1 and s[1]["updated"] == {(40, 2): 1}
+    assert s[2]["executions"] == 0

@@ -288,6 +288,21 @@ def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos,
     return _Fetched(ids, a.slots, cache, a.table, jnp.where(active, a.n_copies, 0), src, dst)
 
 
+def _own_buffer(x: jax.Array) -> jax.Array:
+    """x, read through a buffer of the step's own instead of the input's.
+
+    XLA re-records each of its CUDA graphs whose commands read an allocation that has moved
+    since the graph's last run, and a decode step's inputs are new buffers every step. The
+    positions are read in every layer (RoPE, the new token's writes, the selection's causal
+    rules, the attention kernel), so every graph holding one of those reads is re-recorded at
+    every step: the likely reason why 17 of SparDA's 33 graphs a step were
+    (`command_buffer::update`, 4.5 ms of host time a step at full depth,
+    bench/results/decode_depth_graph.json; scripts/probes/graph_updates.py tells). Here one op
+    reads the input and writes a temporary, whose address stays put from step to step; the
+    barrier keeps XLA from folding the round trip back onto the input."""
+    return jax.lax.optimization_barrier(x + 1) - 1
+
+
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
 def _engine_decode(params, tokens, positions, state: OffloadState, forecast, infinigen, *, plan: _EnginePlan):
     c = plan.config
@@ -298,7 +313,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     # the CUDA copy of layer l+1 runs on its own stream during layer l (start ... wait); the
     # reference copy is complete when it returns
     async_copy = prefetch and plan.copy_impl in FFI_IMPLEMENTATIONS
-    pos = positions
+    pos = _own_buffer(positions)
     qpos = pos[:, None]
     cos, sin = rope_tables(c, qpos)
     layer = DecoderLayer(c, dtype=plan.dtype)

@@ -179,10 +179,11 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 420 \
         --out "$OUT/decode_claims32.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse" ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
-                    # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py), fresh
-                    # inputs each step and one input buffer for all; the thunk sequence after XLA's passes (~150 s)
-      for V in fresh same; do
-        F=""; [ $V = same ] && F="--same-inputs"
+                    # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
+                    # engine's step, the step reading its positions input in every layer, and that with one
+                    # input buffer for all steps; the thunk sequence after XLA's passes (~170 s)
+      for V in fresh plain same; do  # staged positions (the engine's), unstaged, unstaged with one input buffer
+        F=""; [ $V = plain ] && F="--no-staging"; [ $V = same ] && F="--same-inputs --no-staging"
         XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=/tmp/thunks_$V --xla_dump_hlo_module_re=.*engine_decode.*" \
         TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2 timeout 150 \
           python3 scripts/probes/graph_updates.py --mode sparda --layers 4 --steps 6 $F > "$OUT/graph_updates_$V.log" 2>&1

@@ -7,7 +7,7 @@ no longer run ahead of the device: on the H200 at batch 8, 128K, the SparDA step
 with the default queues and 9.4 ms with `CUDA_SCALE_LAUNCH_QUEUES=4x`; its host time 12.4 ms
 and 7.0 ms (bench/results/decode_depth_graph.json, decode_depth_queue4x.json, one call).
 CUDA reads the variable when it initialises, so it has to be set before JAX first touches the
-GPU: `set_launch_queues` sets it, and refuses once JAX's backends exist.
+GPU: `set_launch_queues` sets it, and refuses once JAX already runs on a GPU.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def _gpu_started() -> bool:
     return any(d.platform == "gpu" for d in jax.devices())
 
 
-def set_launch_queues(scale: str = "4x", *, override: bool = False) -> str | None:
+def set_launch_queues(scale: str = "4x", *, override: bool = False) -> str:
     """Set CUDA's launch-queue multiplier for this process (before JAX's first GPU use).
 
     A value already in the environment wins unless `override`. Returns the value in effect.

@@ -336,3 +336,41 @@ def test_skip_copies_moves_no_data_but_keeps_the_bookkeeping(setup):
     written = (TINY.num_layers - 1) * b * TINY.num_kv_heads * steps  # one key vector per step, layer, row, head
     assert np.count_nonzero(np.any(k_s != 0, axis=-1)) == written
     assert np.count_nonzero(np.any(k_n != 0, axis=-1)) > written
+
+
+def _entry_users(hlo: str, index: int) -> list[str]:
+    """The instructions of an optimized module's entry computation that read parameter `index`."""
+    import re
+
+    entry = hlo[hlo.index("\nENTRY"):].split("\n}")[0].splitlines()[1:]
+    name = next(re.match(r"\s*%?([\w.\-]+)", line).group(1) for line in entry if f"parameter({index})" in line)
+    return [line.split("=")[0].strip() for line in entry
+            if re.search(r"[(, ]%?" + re.escape(name) + r"[,)]", line) and "parameter(" not in line]
+
+
+def test_the_step_reads_its_positions_in_one_op(setup, monkeypatch):
+    """XLA re-records every CUDA graph that reads an input whose buffer moved since the last
+    step; the positions are a new buffer each step and every layer reads them. The engine's
+    step reads them once, into a buffer of its own (`_own_buffer`); without it, dozens of ops
+    of the tiny model's step read the input directly (the test's witness that it can fail)."""
+    from sparda_jax.infer import engine
+
+    params, forecast, _ = setup
+    tokens = jax.random.randint(jax.random.key(4), (2, 70), 0, TINY.vocab_size)
+    lengths = jnp.array([70, 59], jnp.int32)
+    _, st = engine_prefill(params, tokens, lengths, TINY, mode="sparda", cache_size=90, forecast=forecast)
+    plan = engine.decode_plan(TINY, "sparda", st.cache, copy_impl="host_ffi")
+    index = len(jax.tree.leaves(params)) + 1  # params, tokens, then positions
+
+    def readers():
+        hlo = engine._engine_decode.lower(params, tokens[:, 0], lengths, st, forecast, None, plan=plan).compile()
+        return _entry_users(hlo.as_text(), index)
+
+    assert len(readers()) == 1
+    monkeypatch.setattr(engine, "_own_buffer", lambda x: x)
+    engine._engine_decode.clear_cache()  # retrace with the patch
+    try:
+        assert len(readers()) > 10
+    finally:
+        monkeypatch.undo()
+        engine._engine_decode.clear_cache()  # later tests trace the real step again

@@ -8,7 +8,8 @@ prints a marker line to stderr before each step, so that XLA's log lines
 (TF_CPP_VMODULE=command_buffer_thunk=3,command_buffer_conversion_pass=2) can be told apart
 by step: the warm-up steps record, the later ones show what moves. --same-inputs passes one
 token and position buffer to every step, which tells whether the step's own inputs are what
-moves.
+moves; --no-staging reads the positions input directly in every layer, as the engine did before
+`infer.engine._own_buffer`.
 
     TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \\
       python3 scripts/probes/graph_updates.py --mode sparda --layers 4 --steps 6 2> log.txt
@@ -44,10 +45,14 @@ def summarize(lines) -> dict:
     return steps
 
 
-def run(mode: str, layers: int, steps: int, batch: int, context: int, same_inputs: bool) -> None:
+def run(mode: str, layers: int, steps: int, batch: int, context: int, same_inputs: bool, staging: bool = True) -> None:
     import jax
 
     from sparda_jax.bench.decode import _build, _Ctx, _row_inputs, _stepper
+    from sparda_jax.infer import engine
+
+    if not staging:  # before the first trace of the step
+        engine._own_buffer = lambda x: x
 
     ctx = _Ctx("minicpm4.1-8b", layers, (mode,), 0, lambda *a: None)
     state = _build(ctx, mode, context, batch)
@@ -69,6 +74,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--context", type=int, default=131072)
     p.add_argument("--same-inputs", action="store_true", help="one token/position buffer for every step")
+    p.add_argument("--no-staging", action="store_true", help="every layer reads the positions input itself")
     p.add_argument("--summarize", metavar="LOG", help="summarise a log written by a run instead")
     a = p.parse_args(argv)
     if a.summarize:
@@ -78,7 +84,7 @@ def main(argv=None) -> int:
                       "(commands, moved allocations) x count: "
                       + ", ".join(f"{k} x{v}" for k, v in s["updated"].most_common(8)))
         return 0
-    run(a.mode, a.layers, a.steps, a.batch, a.context, a.same_inputs)
+    run(a.mode, a.layers, a.steps, a.batch, a.context, a.same_inputs, staging=not a.no_staging)
     return 0
 
 

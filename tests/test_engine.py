@@ -95,7 +95,9 @@ def test_engine_step_on_per_layer_weights_slices_none(setup):
     """`layered_params`: the engine's layer loop (the copy custom calls' CPU twin, as the CUDA
     path runs) gives the stacked weights' logits, and its compiled step (CPU HLO) slices no
     backbone weight, where on the stacked tree every layer's are slices (the test's witness: on
-    the GPU XLA copied the o_proj slice, as it feeds a cuBLAS GEMM)."""
+    the GPU XLA copied the o_proj slice, as it feeds a cuBLAS GEMM). On either tree the
+    compiled step reads its positions input in one op (`_own_buffer`; witness:
+    `_positions_witness`). Both checks share this test's compiles, to keep the suite short."""
     import re
 
     from sparda_jax.infer.engine import _engine_decode, decode_plan
@@ -120,6 +122,8 @@ def test_engine_step_on_per_layer_weights_slices_none(setup):
         hlo = _engine_decode.lower(p, tokens[:, t0], lengths, st, forecast, None, plan=plan).compile().as_text()
         sliced = [m.group(1) for m in re.finditer(r"=\s*\w+\[([\d,]*)\]\S*\s+(?:slice|copy|dynamic-slice)\(", hlo)
                   if m.group(1) in shapes]
+        # the positions input (after params and tokens) is read by one op (`_own_buffer`)
+        assert len(_entry_users(hlo, len(jax.tree.leaves(p)) + 1)) == 1
         out, pos = [], lengths
         for i in range(6):
             logits, st, _ = engine_decode_step(p, tokens[jnp.arange(b), t0 + i], pos, st, TINY, mode="sparda",
@@ -130,6 +134,7 @@ def test_engine_step_on_per_layer_weights_slices_none(setup):
 
     stacked, sliced_stacked = run(params)
     layered, sliced_layered = run(per_layer)
+    _positions_witness(per_layer, tokens[:, t0], lengths, forecast)
     np.testing.assert_allclose(layered, stacked, rtol=1e-6, atol=1e-6)  # the same math; f32 fusions may differ
     assert sliced_stacked, "the stacked step no longer slices weights: this test needs a new witness"
     assert sliced_layered == []
@@ -348,29 +353,22 @@ def _entry_users(hlo: str, index: int) -> list[str]:
             if re.search(r"[(, ]%?" + re.escape(name) + r"[,)]", line) and "parameter(" not in line]
 
 
-def test_the_step_reads_its_positions_in_one_op(setup, monkeypatch):
-    """XLA re-records every CUDA graph that reads an input whose buffer moved since the last
-    step; the positions are a new buffer each step and every layer reads them. The engine's
-    step reads them once, into a buffer of its own (`_own_buffer`); without it, dozens of ops
-    of the tiny model's step read the input directly (the test's witness that it can fail)."""
+def _positions_witness(params, tokens, lengths, forecast):
+    """Without `_own_buffer`, many ops of the tiny model's step read the positions input
+    directly: the witness that the one-reader check above can fail. XLA re-records every CUDA
+    graph that reads an input whose buffer moved since the last step, and the positions are a
+    new buffer each step that every layer reads."""
     from sparda_jax.infer import engine
 
-    params, forecast, _ = setup
-    tokens = jax.random.randint(jax.random.key(4), (2, 70), 0, TINY.vocab_size)
-    lengths = jnp.array([70, 59], jnp.int32)
-    _, st = engine_prefill(params, tokens, lengths, TINY, mode="sparda", cache_size=90, forecast=forecast)
+    _, st = engine_prefill(params, jnp.zeros((2, 70), jnp.int32), lengths, TINY, mode="sparda", cache_size=86,
+                           forecast=forecast)
     plan = engine.decode_plan(TINY, "sparda", st.cache, copy_impl="host_ffi")
-    index = len(jax.tree.leaves(params)) + 1  # params, tokens, then positions
-
-    def readers():
-        hlo = engine._engine_decode.lower(params, tokens[:, 0], lengths, st, forecast, None, plan=plan).compile()
-        return _entry_users(hlo.as_text(), index)
-
-    assert len(readers()) == 1
-    monkeypatch.setattr(engine, "_own_buffer", lambda x: x)
+    own = engine._own_buffer
+    engine._own_buffer = lambda x: x
     engine._engine_decode.clear_cache()  # retrace with the patch
     try:
-        assert len(readers()) > 10
+        hlo = engine._engine_decode.lower(params, tokens, lengths, st, forecast, None, plan=plan).compile().as_text()
+        assert len(_entry_users(hlo, len(jax.tree.leaves(params)) + 1)) > 10
     finally:
-        monkeypatch.undo()
-        engine._engine_decode.clear_cache()  # later tests trace the real step again
+        engine._own_buffer = own
+        engine._engine_decode.clear_cache()  # later calls trace the real step again

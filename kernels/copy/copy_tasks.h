@@ -15,10 +15,22 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "xla/ffi/api/ffi.h"
 
 constexpr int kMaxPayloads = 4;
+
+// The synchronous copies' (gather, write-back) attributes, after the leading operands that each
+// library binds its own way (the CUDA handlers take XLA's stream first): one list for both.
+template <typename Binding>
+auto with_copy_attrs(Binding leading) {
+  return std::move(leading)  // a binding grows by rvalue only
+      .template Attr<int32_t>("num_ctas")
+      .template Attr<xla::ffi::Span<const int64_t>>("block_bytes")
+      .template Attr<int32_t>("threads")
+      .template Attr<int32_t>("group");
+}
 
 inline xla::ffi::Error check_copy_args(size_t from_bytes, size_t to_bytes, size_t n_src, size_t n_dst,
                                        int64_t block_bytes) {

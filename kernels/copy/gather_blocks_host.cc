@@ -33,13 +33,7 @@ static auto copy_binding() {
 }
 
 // The synchronous copies' whole signature: the leading operands, then their attributes
-static auto copy_call_binding() {
-  return copy_binding()
-      .Attr<int32_t>("num_ctas")
-      .Attr<ffi::Span<const int64_t>>("block_bytes")
-      .Attr<int32_t>("threads")
-      .Attr<int32_t>("group");
-}
+static auto copy_call_binding() { return with_copy_attrs(copy_binding()); }
 
 namespace {
 

@@ -7,6 +7,11 @@ number of graphs and their sizes, the ops left outside (by opcode, custom calls 
 and the start of the entry's schedule as a compact sequence.
 
     python3 scripts/probes/graph_cuts.py dump/*after_optimizations.txt
+
+The XLA of jax 0.11.2 forms its graphs later, from thunks (command_buffer_conversion_pass): its
+optimized HLO has no command_buffer computations, so there every op reads as outside (stage
+`hlo-graphs` at 4ed2ee0). What it still shows is the schedule; for the graphs themselves use
+the thunk sequence (`scripts/probes/graph_updates.py`, stage `graph-updates`).
 """
 
 from __future__ import annotations

@@ -97,7 +97,8 @@ def _h2d_gb_per_s(mib: int = 512, repeats: int = 5) -> float | None:
 class _Ctx:
     """What every configuration of one run shares: configs, weights, extras, references."""
 
-    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = True):
+    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = True,
+                 graph_scheduling: str | None = None):
         self.cfg, self.full = bench_config(preset, layers)
         self.params = make_params(self.cfg, seed)  # stacked: the resident reference's scan reads these
         if weights not in ("layered", "stacked"):
@@ -106,6 +107,7 @@ class _Ctx:
         # slices each layer's weights; the o_proj slice is copied: the layout before 2026-12-02)
         self.step_params = layered_params(self.params) if weights == "layered" else self.params
         self.copy_in_graph = copy_in_graph  # the engine's `copy_in_graph`, for every row of the run
+        self.graph_scheduling = graph_scheduling  # the engine's `graph_scheduling`, likewise
         self.extras = make_extras(self.cfg, modes, seed)
         self.weights_full = weights_bytes(self.full)
         self.seed = seed
@@ -161,7 +163,8 @@ def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = F
     def step(tok, pos, st):
         return engine_decode_step(ctx.step_params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
                                   num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group,
-                                  copy_start=copy_start, copy_in_graph=ctx.copy_in_graph, **kw)
+                                  copy_start=copy_start, copy_in_graph=ctx.copy_in_graph,
+                                  graph_scheduling=ctx.graph_scheduling, **kw)
     return step
 
 
@@ -293,7 +296,8 @@ def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
     the tasks (srcs[l - 1], dst) into one layer's cache, started and waited as the plan's mode
     does it (`_gather_blocks`: one copy per payload on its own lane with its CTA share, or one
     synchronous copy of every payload). The layers chain through the cache, so they run in order."""
-    start = plan.mode == "sparda" and plan.copy_impl in FFI_IMPLEMENTATIONS  # as `_engine_decode`'s async_copy
+    # as `_engine_decode`'s async_copy
+    start = plan.mode == "sparda" and plan.copy_impl in FFI_IMPLEMENTATIONS and plan.copy_start != "graph"
     for i in range(srcs.shape[0]):
         cache_l = _gather_blocks(plan, host, i + 1, srcs[i], dst, cache_l, start=start)
         if start:
@@ -346,7 +350,8 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
     skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
 
     plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas,
-                       copy_group=copy_group, copy_start=copy_start, copy_in_graph=ctx.copy_in_graph)
+                       copy_group=copy_group, copy_start=copy_start, copy_in_graph=ctx.copy_in_graph,
+                       graph_scheduling=ctx.graph_scheduling)
     host = state.host
     cache_l = dict(state.cache[0])
     del state
@@ -516,7 +521,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  with_ceilings: bool = True, profile_steps: int = 0, profile_reuse: bool = False,
                  overlap: bool = False, copy_group: int = 1,
                  copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = True,
-                 marginal_layers: int | None = None,
+                 graph_scheduling: str | None = None, marginal_layers: int | None = None,
                  validate_layers: int | None = None, seed: int = 0, out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
@@ -547,7 +552,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             r["ceilings_error"] = unavailable(e)
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
-    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph)
+    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph, graph_scheduling)
     for name, n in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
         if n is not None and not 2 <= n <= ctx.full.num_layers:  # the engine keeps layer 0 on the device
             raise ValueError(f"{name}={n}: need 2 to {ctx.full.num_layers} (the preset's layers)")
@@ -555,12 +560,12 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
     if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):
         raise ValueError("validate_layers needs marginal_layers and more layers than the layers timed")
-    ctx_lo = _Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph) if marginal_layers else None
+    ctx_lo = _Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling) if marginal_layers else None
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
                               copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
                               copy_start=copy_start, weights=weights, copy_in_graph=copy_in_graph,
-                              marginal_layers=marginal_layers,
+                              graph_scheduling=graph_scheduling, marginal_layers=marginal_layers,
                               validate_layers=validate_layers)
     if real_model:
         try:
@@ -613,7 +618,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     def validate(rec, mode, t, b, again):
         """The estimate's prediction for validate_layers layers against a row timed with them."""
         if not ctx_v:
-            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph))
+            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling))
         x = decode_config(ctx_v[0], mode, t, b, **again)
         if x.get("status") != "ok":
             return {"layers": validate_layers, "status": x.get("status")}
@@ -929,7 +934,7 @@ def main(args) -> int:
                          profile_steps=args.profile_steps, profile_reuse=args.profile_reuse, overlap=args.overlap,
                          copy_group=args.copy_group,
                          copy_start=args.copy_start, weights=args.weights, copy_in_graph=args.copy_in_graph,
-                         marginal_layers=args.marginal_layers,
+                         graph_scheduling=args.graph_scheduling, marginal_layers=args.marginal_layers,
                          validate_layers=args.validate_layers, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

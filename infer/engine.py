@@ -143,6 +143,10 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     return last, state
 
 
+COPY_STARTS = ("lanes", "one", "graph")
+GRAPH_SCHEDULINGS = ("LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT")
+
+
 @dataclasses.dataclass(frozen=True)
 class _EnginePlan:
     config: ModelConfig
@@ -153,12 +157,16 @@ class _EnginePlan:
     num_ctas: int
     attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
     copy_group: int = COPY_GROUP  # tasks a copy CTA moves as one range (`gather_blocks`' group)
-    # asynchronous starts: "lanes" one per payload on its own lane, "one" every payload in one start
+    # sparda's prefetch: "lanes" one asynchronous start per payload on its own lane, "one" every
+    # payload in one start, "graph" the synchronous in-graph gather, overlapped by XLA's graph
     copy_start: str = "lanes"
     # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
     skip_copies: bool = False
     # the synchronous gather and the write-back as the custom calls XLA may record into its CUDA graphs
     copy_in_graph: bool = True
+    # XLA's xla_gpu_command_buffer_scheduling_mode for the step (None: XLA's own, except that
+    # copy_start "graph" needs CONCURRENT: see `_scheduling`)
+    graph_scheduling: str | None = None
 
 
 def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
@@ -303,8 +311,7 @@ def _own_buffer(x: jax.Array) -> jax.Array:
     return jax.lax.optimization_barrier(x + 1) - 1
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
-def _engine_decode(params, tokens, positions, state: OffloadState, forecast, infinigen, *, plan: _EnginePlan):
+def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast, infinigen, *, plan: _EnginePlan):
     c = plan.config
     sp = c.sparse
     bs = sp.block_size
@@ -312,7 +319,7 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     prefetch = plan.mode == "sparda"
     # the CUDA copy of layer l+1 runs on its own stream during layer l (start ... wait); the
     # reference copy is complete when it returns
-    async_copy = prefetch and plan.copy_impl in FFI_IMPLEMENTATIONS
+    async_copy = prefetch and plan.copy_impl in FFI_IMPLEMENTATIONS and plan.copy_start != "graph"
     pos = _own_buffer(positions)
     qpos = pos[:, None]
     cos, sin = rope_tables(c, qpos)
@@ -458,6 +465,35 @@ def _engine_decode(params, tokens, positions, state: OffloadState, forecast, inf
     return unembed(params, x, c)[:, 0], new, stats
 
 
+_DECODE_JIT = dict(static_argnames=("plan",), donate_argnames=("state",))
+_engine_decode = jax.jit(_engine_decode_impl, **_DECODE_JIT)  # XLA's own graph scheduling
+
+
+@functools.cache
+def _engine_decode_scheduled(mode: str):
+    """The step compiled with XLA's command-buffer scheduling `mode` (a compile option of this
+    program alone, not a process-wide XLA_FLAGS)."""
+    return jax.jit(_engine_decode_impl, **_DECODE_JIT,
+                   compiler_options={"xla_gpu_command_buffer_scheduling_mode": mode})
+
+
+def _scheduling(plan: _EnginePlan) -> str | None:
+    """copy_start "graph" issues layer l+1's gather as an ordinary command of the step's CUDA
+    graph, with no data dependency on layer l's attention and FFN. XLA's default scheduling
+    (LHS) serializes a graph's commands unless its latency-hiding scheduler paired them as
+    async work, so the gather would run between layer l's kernels instead of beside them;
+    CONCURRENT builds the graph's edges from buffer use alone, so the gather may run on the
+    side, as the asynchronous starts do, without leaving the graph."""
+    if plan.graph_scheduling is not None:
+        return plan.graph_scheduling
+    return "CONCURRENT" if plan.mode == "sparda" and plan.copy_start == "graph" else None
+
+
+def _decode_program(plan: _EnginePlan):
+    mode = _scheduling(plan)
+    return _engine_decode if mode is None else _engine_decode_scheduled(mode)
+
+
 def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> OffloadState:
     """Blocks whose last token was written this step go from their slot to the host. Each
     layer's slot of the written block is gathered into one small staging array ((L-1) x B x K
@@ -486,7 +522,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
                        num_ctas: int | str | None = None, attention_impl: str | None = None,
                        skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
-                       copy_in_graph: bool = True):
+                       copy_in_graph: bool = True, graph_scheduling: str | None = None):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
@@ -507,7 +543,12 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     the step's time is that of everything but the data movement. The write-back of completed
     blocks runs as usual. copy_group: tasks a copy CTA moves as one range (`gather_blocks`).
     copy_start ("sparda" with the CUDA copy): "lanes" starts K and V as copies of their own on two
-    side streams, "one" starts them as one copy (one launch, the whole CTA quota).
+    side streams, "one" starts them as one copy (one launch, the whole CTA quota), "graph" issues
+    layer l+1's copy as the synchronous in-graph gather right after its selection (needs
+    copy_in_graph) and compiles the step with XLA's CONCURRENT graph scheduling, so that the
+    copy runs beside layer l's work inside one CUDA graph, with no start or wait to cut it.
+    graph_scheduling: XLA's command-buffer scheduling mode for the step ("LHS", "SERIALIZE",
+    "CONCURRENT_REGIONS", "CONCURRENT"); None: XLA's own, or CONCURRENT for copy_start "graph".
     copy_in_graph (default): the synchronous gather (sparse, infinigen, sparda_sync) and every
     mode's write-back as custom calls declared safe for XLA's command buffers, so that XLA need
     not cut its CUDA graph at each. The same copies (equal tokens and logits on the CPU twin and
@@ -530,14 +571,14 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
                          "(local_blocks * block_size >= kernel_size)")
     plan = decode_plan(config, mode, state.cache, dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
                        attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,
-                       copy_start=copy_start, copy_in_graph=copy_in_graph)
-    return _engine_decode(params, tokens, positions, state, forecast, infinigen, plan=plan)
+                       copy_start=copy_start, copy_in_graph=copy_in_graph, graph_scheduling=graph_scheduling)
+    return _decode_program(plan)(params, tokens, positions, state, forecast, infinigen, plan=plan)
 
 
 def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,
                 copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
                 skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
-                copy_in_graph: bool = True) -> _EnginePlan:
+                copy_in_graph: bool = True, graph_scheduling: str | None = None) -> _EnginePlan:
     """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
     state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
@@ -552,10 +593,14 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
         c = cache[0]["k"]
         num_ctas = autotune_num_ctas(int(c.shape[0] * c.shape[1] * c.shape[2]), tuple(c.shape[3:]), str(c.dtype)) \
             if copy_impl == "cuda" else paper_num_ctas(batch)
-    if copy_start not in ("lanes", "one"):
-        raise ValueError(f"copy_start must be 'lanes' or 'one', got {copy_start!r}")
+    if copy_start not in COPY_STARTS:
+        raise ValueError(f"copy_start must be one of {COPY_STARTS}, got {copy_start!r}")
+    if copy_start == "graph" and not copy_in_graph:
+        raise ValueError("copy_start 'graph' is the in-graph gather: it needs copy_in_graph=True")
+    if graph_scheduling is not None and graph_scheduling not in GRAPH_SCHEDULINGS:
+        raise ValueError(f"graph_scheduling must be None or one of {GRAPH_SCHEDULINGS}, got {graph_scheduling!r}")
     return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, copy_group,
-                       copy_start, skip_copies, bool(copy_in_graph))
+                       copy_start, skip_copies, bool(copy_in_graph), graph_scheduling)
 
 
 def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,

@@ -178,6 +178,19 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 420 \
         --out "$OUT/decode_claims32.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse" ;;
+    graph-prefetch)  # sparda's prefetch as the in-graph gather beside layer l (copy_start "graph", CONCURRENT
+                     # graph scheduling): its GPU equality test, then 4 layers, batch 8, 128K, sparda beside
+                     # sparda_sync with compute alone and copies alone (~150 s)
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_engine.py -k "cuda_copy_engine_equals and graph" > "$OUT/gpu_tests_graph.log" 2>&1
+      tail -3 "$OUT/gpu_tests_graph.log"
+      timeout 200 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \
+        --modes sparda sparda_sync --reuse-fractions 0.88 --overlap --copy-start graph --budget-s 150 \
+        --out "$OUT/decode_graph4.json" 2>&1 | grep -E "^\| (SparDA)|overlap" ;;
+    decode-claims32-graph)  # decode-claims32 with sparda's prefetch in the graph (copy_start "graph") (~330 s)
+      timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 400 \
+        --copy-start graph --out "$OUT/decode_claims32_graph.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse" ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
                     # engine's step, the step reading its positions input in every layer, and that with one

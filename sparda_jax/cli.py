@@ -351,8 +351,12 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--decode-only", action="store_true", help="attention: skip the prefill cases")
     bn.add_argument("--copy-group", type=_copy_group, default=1,
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
-    bn.add_argument("--copy-start", choices=["lanes", "one"], default="lanes",
-                    help="decode, sparda: K and V started as copies on two lanes, or as one copy")
+    bn.add_argument("--copy-start", choices=["lanes", "one", "graph"], default="lanes",
+                    help="decode, sparda: K and V started as copies on two lanes, or as one copy; graph: the "
+                         "prefetch as the in-graph gather beside the previous layer (CONCURRENT graph scheduling)")
+    bn.add_argument("--graph-scheduling", choices=["LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT"],
+                    help="decode: XLA's command-buffer scheduling mode for the engine's step (default: XLA's "
+                         "own; CONCURRENT with --copy-start graph)")
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")

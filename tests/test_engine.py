@@ -11,7 +11,7 @@ import pytest
 
 from sparda_jax import get_preset, init_forecast, init_model
 from sparda_jax.infinigen import infinigen_setup
-from sparda_jax.infer.engine import engine_decode_step, engine_prefill, memory_report, selector_of
+from sparda_jax.infer.engine import decode_plan, engine_decode_step, engine_prefill, memory_report, selector_of
 from sparda_jax.modes import decode_step, prefill
 
 TINY = get_preset("tiny")  # blocks of 16, init 1, local 1, topk 4
@@ -156,12 +156,13 @@ def test_copies_in_graph_are_the_same_copies(setup, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,copy_start,copy_in_graph", [("sparse", "lanes", False), ("sparda", "lanes", False),
                                                            ("sparda", "one", False), ("sparse", "lanes", True),
-                                                           ("sparda", "lanes", True)])
+                                                           ("sparda", "lanes", True), ("sparda", "graph", True)])
 def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start, copy_in_graph):
     """On the GPU: the UVA gather (asynchronous start/wait in sparda, K and V on two lanes or
     in one start) and the in-place write-back of completed blocks give the reference copy
     path's logits and counts; so do the synchronous gather and the write-back recorded into
-    XLA's CUDA graphs (copy_in_graph)."""
+    XLA's CUDA graphs (copy_in_graph), and sparda's prefetch as that gather beside the previous
+    layer's work (copy_start "graph", CONCURRENT graph scheduling)."""
     cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", copy_start=copy_start, copy_in_graph=copy_in_graph)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     np.testing.assert_allclose(cuda, ref, atol=2e-5)
@@ -186,20 +187,34 @@ needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++
 
 
 @needs_cxx
-@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
+@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one"),
+                                             ("sparda", "graph")])
 def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
     """The CUDA path's custom calls run by their CPU twin (kernels/copy/gather_blocks_host.cc):
     what XLA does to the start/wait pairs inside the engine's jit is checked here, in CI. Every
-    start's buffer must reach its own wait (none left in flight after a step)."""
+    start's buffer must reach its own wait (none left in flight after a step). "graph": the
+    prefetch is the synchronous in-graph gather, compiled with CONCURRENT graph scheduling."""
     from sparda_jax.kernels.copy_engine import host_copies_in_flight
 
     from sparda_jax.kernels.copy_engine import unaliased_copies
 
     unaliased_copies("host_ffi", reset=True)
-    ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30, copy_start=copy_start)
+    ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30, copy_start=copy_start,
+                       copy_in_graph=copy_start == "graph")
     assert host_copies_in_flight() == 0
     # XLA kept every call's aliasing: no handler had to copy a whole cache before its own copy
     assert unaliased_copies("host_ffi") == (0, 0)
+    if copy_start == "graph":  # no asynchronous start is left to cut XLA's graph
+        from sparda_jax.infer import engine
+
+        params, forecast, _ = setup
+        _, st = engine_prefill(params, jnp.ones((2, 70), jnp.int32), jnp.array([70, 59]), TINY, mode=mode,
+                               cache_size=100, forecast=forecast)
+        plan = decode_plan(TINY, mode, st.cache, copy_impl="host_ffi", copy_start="graph")
+        assert engine._scheduling(plan) == "CONCURRENT"
+        hlo = engine._decode_program(plan).lower(params, jnp.ones(2, jnp.int32), jnp.array([70, 59]), st, forecast,
+                                                 None, plan=plan).as_text()
+        assert "sparda_gather_blocks" in hlo and "sparda_gather_start" not in hlo
     ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
     np.testing.assert_allclose(ffi, ref, atol=2e-5)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
@@ -259,6 +274,14 @@ def test_engine_errors(setup):
     with pytest.raises(ValueError, match="n_slots"):
         engine_prefill(params, jnp.zeros((1, 32), jnp.int32), jnp.array([32]), TINY, mode="sparse", cache_size=64,
                        n_slots=2)
+    _, st = engine_prefill(params, jnp.ones((1, 70), jnp.int32), jnp.array([70]), TINY, mode="sparda", cache_size=80,
+                           forecast=forecast)
+    with pytest.raises(ValueError, match="copy_start must be one of"):
+        decode_plan(TINY, "sparda", st.cache, copy_start="late")
+    with pytest.raises(ValueError, match="needs copy_in_graph"):
+        decode_plan(TINY, "sparda", st.cache, copy_start="graph", copy_in_graph=False)
+    with pytest.raises(ValueError, match="graph_scheduling must be"):
+        decode_plan(TINY, "sparda", st.cache, graph_scheduling="concurrent")
 
 
 def test_memory_report_minicpm_128k():

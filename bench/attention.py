@@ -283,6 +283,11 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
     return res
 
 
+# H100/H200 L2: 50 MB. Positions recur within one timed call only when the other steps' bytes
+# between two visits of one are at least 5x that (LRU-like replacement keeps nothing of it).
+L2_GUARD_BYTES = 256 * 2**20
+
+
 def _looped(one, dense: bool, loop: str = "map"):
     """jit of `steps` decode steps; the cache goes in as an argument (a closed-over array would be
     baked into the program as a constant). loop "map": a lax.map (an XLA while loop, whose trip
@@ -305,15 +310,21 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
     """`steps` decode steps run inside one jit (lax.map), each with its own query, position and
     block ids: per-call dispatch (~10 us) would otherwise dominate a ~30 us kernel. Positions are
     spaced by more than the local window so consecutive steps share few blocks and L2 does not
-    serve the next step's K/V (a real decode step reads another layer's cache)."""
+    serve the next step's K/V (a real decode step reads another layer's cache). A context too
+    short for `steps` such positions cycles through the ones it has, when the bytes the other
+    steps read between two visits of a position exceed L2 many times over (L2_GUARD_BYTES; each
+    step also draws its own block ids, so only the forced blocks recur); else fewer steps run."""
     h, kh, d, sp = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["sparse"]
     bs = sp.block_size
     spacing = (sp.local_blocks + 2) * bs
-    steps = max(1, min(steps, (t - bs) // spacing))
+    distinct = max(1, min(steps, (t - bs) // spacing))
+    per_step_bound = b * kh * sp.topk * bs * d * 2 * 2  # K and V of every selected block, bf16
+    if (distinct - 1) * per_step_bound < L2_GUARD_BYTES:
+        steps = distinct
     kq, kk, kv, kf = jax.random.split(jax.random.key(seed * 7919 + t + 3 * b + 1), 4)
     k, v = _rand(kk, (b, t, kh, d)), _rand(kv, (b, t, kh, d))
     q = _rand(kq, (steps, b, 1, h, d))
-    p = np.array([t - 1 - i * spacing for i in range(steps)], np.int32)
+    p = np.array([t - 1 - (i % distinct) * spacing for i in range(steps)], np.int32)
     pos_bs = jnp.broadcast_to(jnp.asarray(p)[None], (b, steps))  # [b, steps]
     ids = _forecast_ids(kf, k, pos_bs, sparse=sp, n_blocks=-(-t // bs))  # [b, kh, steps, topk]
     ids = jnp.moveaxis(ids, 2, 0)[:, :, :, None]  # [steps, b, kh, 1, topk]
@@ -380,7 +391,8 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
             rec["achieved_over_floor"] = rec["floor_seconds"] / s
         out_rec[name] = rec
         snapshot()
-    res = {"T": t, "batch": b, "steps": steps, "positions": p.tolist(),
+    res = {"T": t, "batch": b, "steps": steps, "distinct_positions": distinct, "positions": p.tolist(),
+           "bytes_between_visits": (distinct - 1) * bytes_sel if steps > distinct else None,
            "selected_blocks_mean": float(n_sel.mean()), "bytes_selected_per_step": bytes_sel,
            "bytes_dense_per_step": bytes_dense, "variants": out_rec}
     best = _best(out_rec, SPARSE + tuple(v for v in out_rec if _decode_choice(v)), "gb_per_s")  # interpreted runs never count

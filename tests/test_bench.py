@@ -103,6 +103,24 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     assert out is None or out.endswith("attention.png")
 
 
+def test_decode_case_cycles_positions_only_past_l2(monkeypatch):
+    """A context too short for the steps asked cycles its spaced positions when the bytes read
+    between two visits of one exceed the L2 guard, and runs fewer steps when they do not."""
+    from sparda_jax.bench import attention as ba
+
+    shape, ceil = ba.model_shape("tiny"), {"hbm_gb_per_s": 1.0}
+    spacing = (shape["sparse"].local_blocks + 2) * shape["sparse"].block_size
+    t = 4 * spacing + shape["sparse"].block_size  # 4 spaced positions
+    few = ba.decode_case(t, 2, shape, ceil, variants=("xla",), repeats=1, steps=6)
+    assert few["steps"] == few["distinct_positions"] == 4 and few["bytes_between_visits"] is None
+    monkeypatch.setattr(ba, "L2_GUARD_BYTES", 0)
+    cyc = ba.decode_case(t, 2, shape, ceil, variants=("xla",), repeats=1, steps=6)
+    assert cyc["steps"] == 6 and cyc["distinct_positions"] == 4
+    assert cyc["positions"] == [t - 1 - (i % 4) * spacing for i in range(6)]
+    assert cyc["bytes_between_visits"] == 3 * cyc["bytes_selected_per_step"] > 0
+    assert cyc["variants"]["xla"]["check"]["passed"] and cyc["variants"]["xla"]["steps_per_call"] == 6
+
+
 def test_decode_steps_unrolled_equal_the_mapped_ones():
     """bench attention's two ways to issue a call's decode steps run the same steps."""
     import functools

@@ -191,6 +191,18 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 400 \
         --copy-start graph --out "$OUT/decode_claims32_graph.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse" ;;
+    queues-ab)  # SparDA's full-depth reuse step took 9.38 ms at 7b25dc4 (CUDA_SCALE_LAUNCH_QUEUES=4x exported by the
+                # shell) and 14.61 at 9eb6c5d (the CLI setting it in-process, positions staged by _own_buffer since).
+                # Same code, one call: (a) the variable exported by the shell; (b) that with the staging off (~330 s)
+      R="--lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparda --reuse-fractions 0.88 --budget-s 200"
+      CUDA_SCALE_LAUNCH_QUEUES=4x timeout 260 python3 -m sparda_jax.cli bench decode $R \
+        --out "$OUT/decode_queues_shell.json" 2>&1 | grep -E "^\| SparDA|warning"
+      CUDA_SCALE_LAUNCH_QUEUES=4x timeout 260 python3 -c "
+import sys
+from sparda_jax.infer import engine
+engine._own_buffer = lambda x: x  # diagnostic only: every layer reads the positions input, as before 23b2832
+from sparda_jax.cli import main
+sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_nostaging.json" 2>&1 | grep -E "^\| SparDA|warning" ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
                     # engine's step, the step reading its positions input in every layer, and that with one

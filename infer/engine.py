@@ -299,15 +299,16 @@ def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos,
 def _own_buffer(x: jax.Array) -> jax.Array:
     """x, read through a buffer of the step's own instead of the input's.
 
-    XLA re-records each of its CUDA graphs whose commands read an allocation that has moved
-    since the graph's last run, and a decode step's inputs are new buffers every step. The
-    positions are read in every layer (RoPE, the new token's writes, the selection's causal
-    rules, the attention kernel), so every graph holding one of those reads is re-recorded at
-    every step: the likely reason why 17 of SparDA's 33 graphs a step were
-    (`command_buffer::update`, 4.5 ms of host time a step at full depth,
-    bench/results/decode_depth_graph.json; scripts/probes/graph_updates.py tells). Here one op
-    reads the input and writes a temporary, whose address stays put from step to step; the
-    barrier keeps XLA from folding the round trip back onto the input."""
+    The positions are read in every layer (RoPE, the new token's writes, the selection's
+    causal rules, the attention kernel), and a decode step's inputs are new buffers every step;
+    XLA re-records each of its CUDA graphs whose commands read an allocation that has moved. Here
+    one op reads the input and writes a temporary; the barrier keeps XLA from folding the round
+    trip back onto the input. Measured on the H200: it does not stop the re-recordings (every
+    graph of a 4-layer SparDA step is re-recorded at every step with it, without it, and with
+    one input buffer for all steps: the moving allocations are the step's own,
+    bench/results/graph_updates/), but at full depth it cut SparDA's host time a step from
+    9.8-10.8 to 7.5-7.8 ms in one call, its device step within that call's noise
+    (bench/results/decode_queues_shell*.json)."""
     return jax.lax.optimization_barrier(x + 1) - 1
 
 

@@ -204,6 +204,20 @@ from sparda_jax.infer import engine
 engine._own_buffer = lambda x: x  # diagnostic only: every layer reads the positions input, as before 23b2832
 from sparda_jax.cli import main
 sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_nostaging.json" 2>&1 | grep -E "^\| SparDA|warning" ;;
+    decode-variance)  # SparDA's full-depth reuse step took 9.4-14.6 ms over four calls (docs/decisions.md). One call:
+                      # the same rows (sparse and sparda, random and reuse=0.88, 32 layers) compiled fresh into a
+                      # persistent cache, then loaded from it (do autotuned fresh compiles differ?), then with XLA's
+                      # SKIP_TEMP graph-update mode (fixed VMM addresses for temporaries: fewer re-recordings?) (~520 s)
+      export JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=5
+      A="--lengths 131072 --batches 8 --modes sparse sparda --layers 32 --reuse-fractions 0.88 --repeats 16"
+      for V in fresh cached; do
+        timeout 200 python3 -m sparda_jax.cli bench decode $A --budget-s 170 --out "$OUT/decode_variance_$V.json" \
+          2>&1 | grep -E "^\| (Sparse|SparDA)|warning"
+      done
+      unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 200 python3 -m sparda_jax.cli \
+        bench decode $A --modes sparda --budget-s 150 --out "$OUT/decode_variance_skiptemp.json" 2>&1 \
+        | grep -E "^\| (Sparse|SparDA)|warning|rror" ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
                     # engine's step, the step reading its positions input in every layer, and that with one

@@ -158,7 +158,7 @@ class _EnginePlan:
     attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
     copy_group: int = COPY_GROUP  # tasks a copy CTA moves as one range (`gather_blocks`' group)
     # sparda's prefetch: "lanes" one asynchronous start per payload on its own lane, "one" every
-    # payload in one start, "graph" the synchronous in-graph gather, overlapped by XLA's graph
+    # payload in one start, "graph" the synchronous in-graph gather left to XLA's graph to overlap
     copy_start: str = "lanes"
     # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
     skip_copies: bool = False
@@ -484,7 +484,8 @@ def _scheduling(plan: _EnginePlan) -> str | None:
     (LHS) serializes a graph's commands unless its latency-hiding scheduler paired them as
     async work, so the gather would run between layer l's kernels instead of beside them;
     CONCURRENT builds the graph's edges from buffer use alone, so the gather may run on the
-    side, as the asynchronous starts do, without leaving the graph."""
+    side, as the asynchronous starts do, without leaving the graph. (On the H200 it did not:
+    4 layers, random traffic, step / (compute alone + copies alone) 0.97, decode_graph4.json.)"""
     if plan.graph_scheduling is not None:
         return plan.graph_scheduling
     return "CONCURRENT" if plan.mode == "sparda" and plan.copy_start == "graph" else None
@@ -547,7 +548,8 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     side streams, "one" starts them as one copy (one launch, the whole CTA quota), "graph" issues
     layer l+1's copy as the synchronous in-graph gather right after its selection (needs
     copy_in_graph) and compiles the step with XLA's CONCURRENT graph scheduling, so that the
-    copy runs beside layer l's work inside one CUDA graph, with no start or wait to cut it.
+    copy may run beside layer l's work inside one CUDA graph, with no start or wait to cut it.
+    An experiment: on the H200 it ran serially, slower than "lanes" (bench/results/decode_graph4.json).
     graph_scheduling: XLA's command-buffer scheduling mode for the step ("LHS", "SERIALIZE",
     "CONCURRENT_REGIONS", "CONCURRENT"); None: XLA's own, or CONCURRENT for copy_start "graph".
     copy_in_graph (default): the synchronous gather (sparse, infinigen, sparda_sync) and every

@@ -178,7 +178,7 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
                       # uncached 32-layer compiles, ~75 s a program, overran the 600 s limit)
       timeout 480 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --budget-s 420 \
-        --out "$OUT/decode_claims32.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse" ;;
+        --out "$OUT/decode_claims32.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse|warning" ;;
     graph-prefetch)  # sparda's prefetch as the in-graph gather beside layer l (copy_start "graph", CONCURRENT
                      # graph scheduling): its GPU equality test, then 4 layers, batch 8, 128K, sparda beside
                      # sparda_sync with compute alone and copies alone (~150 s)

@@ -23,14 +23,33 @@ LAUNCH_QUEUE_SCALES = ("0.25x", "0.5x", "2x", "4x")
 _warned = False
 
 
+# CUresult of a driver call made before cuInit
+_CUDA_ERROR_NOT_INITIALIZED = 3
+
+
+def _cuda_driver_started() -> bool:
+    """Whether anything in this process (JAX, a CUDA library loaded by ctypes, ...) has
+    initialised the CUDA driver: then it has read its environment. Loading libcuda does not
+    initialise it; cuCtxGetCurrent answers CUDA_ERROR_NOT_INITIALIZED until cuInit ran."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:  # no driver: nothing reads the variable
+        return False
+    ctx = ctypes.c_void_p()
+    return lib.cuCtxGetCurrent(ctypes.byref(ctx)) != _CUDA_ERROR_NOT_INITIALIZED
+
+
 def _gpu_started() -> bool:
     from jax._src import xla_bridge  # no public query; this one has existed since jax 0.4
 
-    if not xla_bridge.backends_are_initialized():
-        return False
-    import jax
+    if xla_bridge.backends_are_initialized():
+        import jax
 
-    return any(d.platform == "gpu" for d in jax.devices())
+        if any(d.platform == "gpu" for d in jax.devices()):
+            return True
+    return _cuda_driver_started()
 
 
 def set_launch_queues(scale: str = "4x", *, override: bool = False) -> str:

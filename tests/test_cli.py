@@ -84,6 +84,21 @@ def test_launch_queues_are_set_before_the_gpu_starts(monkeypatch, capsys):
     assert runtime.LAUNCH_QUEUES not in os.environ
 
 
+@pytest.mark.gpu
+def test_the_cli_sets_launch_queues_before_cuda_starts():
+    """On a GPU machine: the CLI's in-process setting reaches CUDA only if nothing initialised the
+    driver before main() sets it. A fresh process that imports the CLI finds the driver not yet
+    started, and JAX's first device query starts it."""
+    import subprocess
+    import sys
+
+    code = ("import sparda_jax.cli, sparda_jax.runtime as r; a = r._cuda_driver_started(); "
+            "import jax; jax.devices(); print(a, r._cuda_driver_started())")
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_SCALE_LAUNCH_QUEUES"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr[-2000:]
+
+
 def test_a_deep_gpu_decode_warns_once_about_default_launch_queues(monkeypatch):
     import warnings
 

@@ -53,6 +53,7 @@ from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, buil
 from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDENT_MODES, _after_start, _gather_blocks,
+                                     _serve_first,
                                      _wait_blocks, decode_plan, engine_decode_step, selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
@@ -299,9 +300,10 @@ def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
     # as `_engine_decode`'s async_copy
     start = plan.mode == "sparda" and plan.copy_impl in FFI_IMPLEMENTATIONS and plan.copy_start != "graph"
     for i in range(srcs.shape[0]):
-        cache_l = _gather_blocks(plan, host, i + 1, srcs[i], dst, cache_l, start=start)
+        src = _serve_first(plan, srcs[i], i, srcs.shape[0]) if start else srcs[i]
+        cache_l = _gather_blocks(plan, host, i + 1, src, dst, cache_l, start=start, job=i)
         if start:
-            cache_l = _wait_blocks(plan, cache_l, srcs[i], dst, _after_start(cache_l, srcs[i])[1])
+            cache_l = _wait_blocks(plan, cache_l, src, dst, _after_start(cache_l, src)[1], job=i)
     return cache_l
 
 

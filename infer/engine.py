@@ -42,7 +42,8 @@ from sparda_jax.model import (DecoderLayer, check_layers, embed, layer_params, p
 from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
 from sparda_jax.runtime import warn_if_default_launch_queues
 
-from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
+from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, doorbell_serve,
+                                            gather_blocks, gather_blocks_ring, gather_blocks_ring_wait,
                                             gather_blocks_start, gather_blocks_wait, lane_ctas, paper_num_ctas,
                                             scatter_blocks)
 
@@ -143,7 +144,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     return last, state
 
 
-COPY_STARTS = ("lanes", "one", "graph")
+COPY_STARTS = ("lanes", "one", "graph", "doorbell")
 GRAPH_SCHEDULINGS = ("LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT")
 
 
@@ -158,7 +159,8 @@ class _EnginePlan:
     attention_impl: str | None = None  # `paged_sparse_attention`'s implementation
     copy_group: int = COPY_GROUP  # tasks a copy CTA moves as one range (`gather_blocks`' group)
     # sparda's prefetch: "lanes" one asynchronous start per payload on its own lane, "one" every
-    # payload in one start, "graph" the synchronous in-graph gather left to XLA's graph to overlap
+    # payload in one start, "graph" the synchronous in-graph gather left to XLA's graph to overlap,
+    # "doorbell" every payload as one job of a persistent server, rung and waited on in-graph
     copy_start: str = "lanes"
     # FOR TIMING ONLY (see `engine_decode_step`): no copy task moves data; the outputs are wrong
     skip_copies: bool = False
@@ -200,7 +202,15 @@ def _pool(plan, h, layer):
     return h if plan.copy_impl in FFI_IMPLEMENTATIONS else h[layer - 1]
 
 
-def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: bool = False) -> dict:
+def _serve_first(plan, src, job, n_jobs: int):
+    """The doorbell's step begins with its first job: the server is launched on the way to it."""
+    if plan.copy_start == "doorbell" and job == 0:
+        return doorbell_serve(src, n_jobs=n_jobs, num_ctas=plan.num_ctas, implementation=plan.copy_impl)
+    return src
+
+
+def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: bool = False,
+                   job: int | None = None) -> dict:
     """Copy the tasks (src, dst) of layer `layer` (1-based; host index layer - 1) from the
     host pools [L-1, B, K, nb, bs, X] into the layer's cache slots [B, K, n_slots, bs, X], every
     payload with the same task list: in one copy (one launch for K, V and cis), or with start
@@ -210,7 +220,10 @@ def _gather_blocks(plan, host: dict, layer, src, dst, cache_l: dict, *, start: b
     caches = [cache_l[n] for n in names]
     pools = [_pool(plan, host[n], layer) for n in names]
     kw = dict(group=plan.copy_group, block_ndim=BLOCK_NDIM, implementation=plan.copy_impl)
-    if start and plan.copy_start == "one":
+    if start and plan.copy_start == "doorbell":  # job: the layer's place among the step's rings
+        out = gather_blocks_ring(tuple(pools), src, dst, tuple(caches), job=job, block_ndim=BLOCK_NDIM,
+                                 implementation=plan.copy_impl)
+    elif start and plan.copy_start == "one":
         out = gather_blocks_start(tuple(pools), src, dst, tuple(caches), num_ctas=plan.num_ctas, lane=0, **kw)
     elif start:
         out = [gather_blocks_start(p, src, dst, f, num_ctas=c, lane=j, **kw)
@@ -245,9 +258,14 @@ def join_tokens(*tokens) -> jax.Array:
     return jnp.concatenate([t.reshape(-1).astype(jnp.float32) for t in tokens if t is not None])
 
 
-def _wait_blocks(plan, cache: dict, src, dst, after) -> dict:
-    """The caches of a copy started with (src, dst) once it is complete; `after` orders the
-    wait after it."""
+def _wait_blocks(plan, cache: dict, src, dst, after, job: int | None = None) -> dict:
+    """The caches of a copy started with (src, dst) (doorbell: rung as `job`) once it is
+    complete; `after` orders the wait after it."""
+    if plan.copy_start == "doorbell":
+        names = list(cache)
+        out = gather_blocks_ring_wait(tuple(cache[n] for n in names), src, dst, after, job=job,
+                                      implementation=plan.copy_impl)
+        return dict(zip(names, out))
     if plan.copy_start == "one":  # one start of every payload: one wait
         names = list(cache)
         out = gather_blocks_wait(tuple(cache[n] for n in names), src, dst, after, implementation=plan.copy_impl)
@@ -282,9 +300,10 @@ class _Fetched(struct.PyTreeNode):
 
 
 def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos, *, start: bool = False,
-           active=True) -> _Fetched:
+           active=True, job: int | None = None) -> _Fetched:
     """Select slots for `ids` and copy the missing blocks; `active` False turns the copy into
-    no tasks (the prefetch past the last layer)."""
+    no tasks (the prefetch past the last layer). job: a started copy's place among the step's
+    (layer - 1, for the doorbell)."""
     if not plan.reuse:
         # the no-reuse baseline copies every selected block, except the one being written:
         # its newest tokens exist only in its slot until the block completes
@@ -292,7 +311,9 @@ def _fetch(plan: _EnginePlan, ids, table, cache_l: dict, host: dict, layer, pos,
     a = assign_slots(table, ids)
     src, dst = _copy_tasks(plan, host, layer, a, ids, table.shape[-1])
     src = jnp.where(active, src, -1)
-    cache = _gather_blocks(plan, host, layer, src, dst, cache_l, start=start)
+    if start:
+        src = _serve_first(plan, src, job, plan.config.num_layers - 1)
+    cache = _gather_blocks(plan, host, layer, src, dst, cache_l, start=start, job=job)
     return _Fetched(ids, a.slots, cache, a.table, jnp.where(active, a.n_copies, 0), src, dst)
 
 
@@ -360,12 +381,12 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
         keys = KeySide(None, None, kc, None, cis_c(cc), pk_l)
         return select_for_mode(c, mode, q, keys, qpos, sel_in, first, n_blocks)[:, :, 0]
 
-    def prefetch_next(h, l_next, table, cache_l, ckeys_next, ccis_next, active=True):
+    def prefetch_next(h, l_next, table, cache_l, ckeys_next, ccis_next, active=True, job=None):
         """sparda: F_l (kernel l+1) against layer l+1's compressed keys, before layer l+1 has
         appended its new key (that chunk lies in the forced local window, so the choice is
-        the same)."""
+        the same). job: l (the copy of layer l+1 is the step's l-th start)."""
         ids = select("sparda", None, h, h, None, l_next, ckeys_next.kc, ccis_next, None, False)
-        return _fetch(plan, ids, table, cache_l, state.host, l_next, pos, start=async_copy, active=active)
+        return _fetch(plan, ids, table, cache_l, state.host, l_next, pos, start=async_copy, active=active, job=job)
 
     # layer 0: on the device, contiguous
     ccis = state.ccis or (None,) * c.num_layers
@@ -376,7 +397,7 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
     pre = None
     if prefetch:  # layer 1's copy runs during layer 0's attention and FFN
-        pre = prefetch_next(h0, 1, state.table[0], state.cache[0], state.ckeys[1], ccis[1])
+        pre = prefetch_next(h0, 1, state.table[0], state.cache[0], state.ckeys[1], ccis[1], job=0)
         if async_copy:
             q0, tok = _after_start(pre.cache, q0)
             pre = pre.replace(token=tok)
@@ -395,7 +416,8 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
             own, new_pre = pre.replace(ids=read), None
             if "n_cache" in xs:
                 new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
-                                        xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers)
+                                        xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers,
+                                        job=l if isinstance(l, int) else None)
             if async_copy:
                 # issue layer l+1's copy before this layer's attention and FFN, then wait for
                 # this layer's (started one layer earlier) as late as possible: after both starts'
@@ -406,7 +428,8 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
                     new_pre = new_pre.replace(token=tok)
                     after.append(tok)
                 after.append(q.reshape(-1)[:1])
-                own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, join_tokens(*after)))
+                own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, join_tokens(*after),
+                                                     job=l - 1 if isinstance(l, int) else None))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
             own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)
@@ -550,6 +573,9 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     copy_in_graph) and compiles the step with XLA's CONCURRENT graph scheduling, so that the
     copy may run beside layer l's work inside one CUDA graph, with no start or wait to cut it.
     An experiment: on the H200 it ran serially, slower than "lanes" (bench/results/decode_graph4.json).
+    "doorbell": a persistent server grid launched once a step copies each layer's blocks (every
+    payload one job), posted and waited on by one-thread kernels on XLA's stream that XLA may
+    record into its graphs (`kernels.copy_engine.doorbell_serve`); built, not yet timed on a GPU.
     graph_scheduling: XLA's command-buffer scheduling mode for the step ("LHS", "SERIALIZE",
     "CONCURRENT_REGIONS", "CONCURRENT"); None: XLA's own, or CONCURRENT for copy_start "graph".
     copy_in_graph (default): the synchronous gather (sparse, infinigen, sparda_sync) and every
@@ -598,6 +624,9 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
             if copy_impl == "cuda" else paper_num_ctas(batch)
     if copy_start not in COPY_STARTS:
         raise ValueError(f"copy_start must be one of {COPY_STARTS}, got {copy_start!r}")
+    if copy_start == "doorbell" and not 2 <= config.num_layers <= 257:
+        raise ValueError(f"copy_start 'doorbell' serves 1..256 jobs a step, one per offloaded layer; "
+                         f"got {config.num_layers} layers")
     if copy_start == "graph" and not copy_in_graph:
         raise ValueError("copy_start 'graph' is the in-graph gather: it needs copy_in_graph=True")
     if graph_scheduling is not None and graph_scheduling not in GRAPH_SCHEDULINGS:

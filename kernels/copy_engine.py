@@ -49,7 +49,8 @@ __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "g
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
            "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace",
-           "unaliased_copies", "COPY_THREADS", "COPY_GROUP"]
+           "unaliased_copies", "COPY_THREADS", "COPY_GROUP", "doorbell_serve", "gather_blocks_ring",
+           "gather_blocks_ring_wait"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -60,7 +61,10 @@ TARGETS = {"sparda_gather_blocks": "SpardaGatherBlocks", "sparda_gather_start": 
            "sparda_gather_dma_start": "SpardaGatherDmaStart", "sparda_mark": "SpardaMark",
            # the synchronous gather and the write-back, recordable into XLA's command buffers
            "sparda_gather_blocks_graph": "SpardaGatherBlocksGraph",
-           "sparda_scatter_blocks_graph": "SpardaScatterBlocksGraph"}
+           "sparda_scatter_blocks_graph": "SpardaScatterBlocksGraph",
+           # the doorbell copies: a persistent server, and rings and waits XLA may record into its graphs
+           "sparda_doorbell_serve": "SpardaDoorbellServe", "sparda_doorbell_ring": "SpardaDoorbellRing",
+           "sparda_doorbell_wait": "SpardaDoorbellWait"}
 # Threads per copy CTA, each with 4 16-byte loads in flight (gather_blocks.cu's kUnroll): 256
 # threads keep 16 KB of reads in flight per CTA, so 16 CTAs reach the bulk PCIe rate
 # (bench/results/decode_overlap.json: 49 of 52 GB/s); more threads per CTA carry the same bytes
@@ -190,6 +194,16 @@ def _register(implementation: str) -> None:
         lib, platform, suffix = ctypes.cdll.LoadLibrary(str(build_library())), "CUDA", ""
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol + suffix)), platform=platform)
+
+
+def _doorbell_init(implementation: str) -> None:
+    """The doorbell's device memory, made outside any XLA execution (no allocation may happen
+    while XLA records a graph, and XLA may record the rings before the serve has run). Once per
+    device; the CPU twin needs none."""
+    if implementation == "cuda":
+        err = ctypes.cdll.LoadLibrary(str(build_library())).sparda_doorbell_init()
+        if err != 0:
+            raise RuntimeError(f"sparda_doorbell_init failed: cudaError_t {err}")
 
 
 MAX_PAYLOADS = 4  # kMaxPayloads of copy_tasks.h
@@ -439,6 +453,56 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
     n = len(caches)
     call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)})
     out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))
+    return out[0] if one else out
+
+
+def doorbell_serve(src, *, n_jobs: int, num_ctas: int = 16, threads: int = COPY_THREADS,
+                   implementation: str | None = None):
+    """Launch this step's doorbell server: `num_ctas` CTAs that copy the jobs `n_jobs` rings
+    post (`gather_blocks_ring`, jobs 0..n_jobs-1, in order, each once), on a stream of their own,
+    and stay resident until the last. Returns src (aliased), to feed the step's first ring: the
+    server is then launched before any wait spins. A step that rings fewer jobs leaves the server
+    waiting: the GPU's watchdog gives up after ~2 s and the next serve raises; the CPU twin
+    raises at the next serve."""
+    implementation = _resolve(implementation)
+    if implementation == "xla":
+        return src
+    if not 1 <= n_jobs <= 256:
+        raise ValueError(f"n_jobs must be in 1..256, got {n_jobs}")
+    _register(implementation)
+    _doorbell_init(implementation)
+    call = jax.ffi.ffi_call("sparda_doorbell_serve", jax.ShapeDtypeStruct(src.shape, jnp.int32),
+                            input_output_aliases={0: 0})
+    return call(src.astype(jnp.int32), n_jobs=np.int32(n_jobs), num_ctas=np.int32(num_ctas), threads=np.int32(threads))
+
+
+def gather_blocks_ring(pool, src, dst, cache, *, job: int, block_ndim: int | None = None,
+                       implementation: str | None = None):
+    """Post `gather_blocks`'s copy as job `job` of the served step; returns the cache (or tuple
+    of caches) being written, which nothing may read before `gather_blocks_ring_wait`. A kernel
+    of one thread on XLA's stream, which XLA may record into its CUDA graphs: unlike
+    `gather_blocks_start`, it does not cut them."""
+    implementation = _resolve(implementation)
+    if implementation == "xla":
+        return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
+    pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
+    _register(implementation)
+    out = _copy_call("sparda_doorbell_ring", src, dst, pools, caches, block_bytes=_block_bytes(caches, block_ndim),
+                     job=np.int32(job))
+    return out[0] if one else out
+
+
+def gather_blocks_ring_wait(cache, src, dst, after, *, job: int, implementation: str | None = None):
+    """`gather_blocks_wait` for a ring: XLA's stream waits (a one-thread kernel, recordable into
+    its graphs) until job `job` is copied."""
+    implementation = _resolve(implementation)
+    if implementation == "xla":
+        return cache
+    _register(implementation)
+    caches, one = _as_tuple(cache)
+    n = len(caches)
+    call = jax.ffi.ffi_call("sparda_doorbell_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)})
+    out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches, job=np.int32(job)))
     return out[0] if one else out
 
 

@@ -218,6 +218,20 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 200 python3 -m sparda_jax.cli \
         bench decode $A --modes sparda --budget-s 150 --out "$OUT/decode_variance_skiptemp.json" 2>&1 \
         | grep -E "^\| (Sparse|SparDA)|warning|rror" ;;
+    doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's
+               # graphs): their GPU tests, then SparDA at 4 layers, batch 8, 128K, lanes and doorbell with compute
+               # alone and copies alone, then the doorbell at full depth (~420 s)
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
+        tests/test_copy_engine.py tests/test_engine.py -k "doorbell" > "$OUT/gpu_tests_doorbell.log" 2>&1
+      tail -3 "$OUT/gpu_tests_doorbell.log"
+      for S in lanes doorbell; do
+        timeout 120 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \
+          --modes sparda --reuse-fractions 0.88 --overlap --copy-start $S --budget-s 90 \
+          --out "$OUT/decode_doorbell4_$S.json" 2>&1 | grep -E "^\| SparDA|^overlap|rror"
+      done
+      timeout 200 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 160 \
+        --out "$OUT/decode_doorbell32.json" 2>&1 | grep -E "^\| SparDA|rror|warning" ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
                     # engine's step, the step reading its positions input in every layer, and that with one

@@ -351,9 +351,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--decode-only", action="store_true", help="attention: skip the prefill cases")
     bn.add_argument("--copy-group", type=_copy_group, default=1,
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
-    bn.add_argument("--copy-start", choices=["lanes", "one", "graph"], default="lanes",
+    bn.add_argument("--copy-start", choices=["lanes", "one", "graph", "doorbell"], default="lanes",
                     help="decode, sparda: K and V started as copies on two lanes, or as one copy; graph: the "
-                         "prefetch as the in-graph gather beside the previous layer (CONCURRENT graph scheduling)")
+                         "prefetch as the in-graph gather beside the previous layer (CONCURRENT graph scheduling); doorbell: "
+                         "a persistent copy server, rung and waited on inside XLA's graphs")
     bn.add_argument("--graph-scheduling", choices=["LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT"],
                     help="decode: XLA's command-buffer scheduling mode for the engine's step (default: XLA's "
                          "own; CONCURRENT with --copy-start graph)")

@@ -237,6 +237,40 @@ def test_cuda_payloads_in_one_launch_equal_reference():
 
 
 @pytest.mark.gpu
+def test_cuda_doorbell_jobs_equal_reference():
+    """The doorbell: one serve, then three jobs rung and waited on XLA's stream (K, V and cis in
+    each, tasks out of range skipped), copied by the persistent server; four steps in a row
+    reuse the doorbell's flags, which each step's server and waits reset."""
+    from sparda_jax.kernels.copy_engine import doorbell_serve, gather_blocks_ring, gather_blocks_ring_wait
+
+    pools, src, dst, caches = _payload_case(13, n_pool=300, n_slots=64, n=48)
+    src, dst = _out_of_range(src, dst, 300, 64)
+    hosts = tuple(_on_host(p) for p in pools)
+    srcs = jnp.stack([src, jnp.roll(src, 5), jnp.flip(src)])
+
+    def step(p, srcs, d, c, impl="cuda"):
+        s = doorbell_serve(srcs[0], n_jobs=3, num_ctas=8, implementation=impl)
+        outs = []
+        for j in range(3):  # each job into the caches the previous one completed, as the engine's layers
+            c = gather_blocks_ring_wait(gather_blocks_ring(p, s, d, c, job=j, implementation=impl), s, d,
+                                        jnp.ones(2), job=j, implementation=impl)
+            outs.append(c)
+            if j < 2:  # the next job's tasks follow this one's wait (the engine's next layer follows it)
+                s = srcs[j + 1] + 0 * c[0].reshape(-1)[:1].astype(jnp.int32)
+        return outs
+
+    f = jax.jit(step)
+    want, c = [], caches
+    for j in range(3):
+        c = gather_blocks_reference(pools, srcs[j], dst, c)
+        want.append(c)
+    for _ in range(4):
+        for got, w in zip(f(hosts, srcs, dst, caches), want):
+            for g, w_ in zip(got, w):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+
+
+@pytest.mark.gpu
 def test_cuda_scatter_writes_the_host_pool_in_place():
     pool, src, dst, cache = _case(7, n_pool=300, n_slots=64, n=48)
     host = _on_host(pool)

@@ -156,13 +156,15 @@ def test_copies_in_graph_are_the_same_copies(setup, mode):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,copy_start,copy_in_graph", [("sparse", "lanes", False), ("sparda", "lanes", False),
                                                            ("sparda", "one", False), ("sparse", "lanes", True),
-                                                           ("sparda", "lanes", True), ("sparda", "graph", True)])
+                                                           ("sparda", "lanes", True), ("sparda", "graph", True),
+                                                           ("sparda", "doorbell", True)])
 def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start, copy_in_graph):
     """On the GPU: the UVA gather (asynchronous start/wait in sparda, K and V on two lanes or
     in one start) and the in-place write-back of completed blocks give the reference copy
     path's logits and counts; so do the synchronous gather and the write-back recorded into
-    XLA's CUDA graphs (copy_in_graph), and sparda's prefetch as that gather beside the previous
-    layer's work (copy_start "graph", CONCURRENT graph scheduling)."""
+    XLA's CUDA graphs (copy_in_graph), sparda's prefetch as that gather beside the previous
+    layer's work (copy_start "graph", CONCURRENT graph scheduling), and as jobs of the doorbell's
+    persistent server (copy_start "doorbell")."""
     cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", copy_start=copy_start, copy_in_graph=copy_in_graph)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     np.testing.assert_allclose(cuda, ref, atol=2e-5)
@@ -188,7 +190,7 @@ needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++
 
 @needs_cxx
 @pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one"),
-                                             ("sparda", "graph")])
+                                             ("sparda", "graph"), ("sparda", "doorbell")])
 def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
     """The CUDA path's custom calls run by their CPU twin (kernels/copy/gather_blocks_host.cc):
     what XLA does to the start/wait pairs inside the engine's jit is checked here, in CI. Every
@@ -204,20 +206,60 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
     assert host_copies_in_flight() == 0
     # XLA kept every call's aliasing: no handler had to copy a whole cache before its own copy
     assert unaliased_copies("host_ffi") == (0, 0)
-    if copy_start == "graph":  # no asynchronous start is left to cut XLA's graph
+    if copy_start in ("graph", "doorbell"):  # no asynchronous start is left to cut XLA's graph
         from sparda_jax.infer import engine
 
         params, forecast, _ = setup
         _, st = engine_prefill(params, jnp.ones((2, 70), jnp.int32), jnp.array([70, 59]), TINY, mode=mode,
                                cache_size=100, forecast=forecast)
-        plan = decode_plan(TINY, mode, st.cache, copy_impl="host_ffi", copy_start="graph")
-        assert engine._scheduling(plan) == "CONCURRENT"
+        plan = decode_plan(TINY, mode, st.cache, copy_impl="host_ffi", copy_start=copy_start)
+        assert engine._scheduling(plan) == ("CONCURRENT" if copy_start == "graph" else None)
         hlo = engine._decode_program(plan).lower(params, jnp.ones(2, jnp.int32), jnp.array([70, 59]), st, forecast,
                                                  None, plan=plan).as_text()
-        assert "sparda_gather_blocks" in hlo and "sparda_gather_start" not in hlo
+        assert "sparda_gather_start" not in hlo and "sparda_gather_wait" not in hlo
+        if copy_start == "graph":
+            assert "sparda_gather_blocks" in hlo
+        else:  # one serve a step, one ring and one wait per offloaded layer
+            calls = lambda t: hlo.count(f'custom_call_target = "{t}"') + hlo.count(f'@{t}(')
+            n = TINY.num_layers - 1
+            assert (calls("sparda_doorbell_serve"), calls("sparda_doorbell_ring"), calls("sparda_doorbell_wait")) \
+                == (1, n, n), hlo.count("sparda_doorbell")
     ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
     np.testing.assert_allclose(ffi, ref, atol=2e-5)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+
+
+@needs_cxx
+def test_host_ffi_doorbell_refuses_a_step_that_rang_too_few_jobs():
+    """The doorbell's server copies a step's jobs 0..n_jobs-1 in order; a step that rings fewer
+    would leave the GPU's server waiting. The CPU twin says so at the next serve, and refuses a
+    ring out of order."""
+    from sparda_jax.kernels.copy_engine import (doorbell_serve, gather_blocks_ring, gather_blocks_ring_wait,
+                                                reset_host_copies_in_flight)
+
+    pool = jax.random.normal(jax.random.key(0), (6, 4, 8))
+    cache = jnp.zeros((3, 4, 8))
+    src, dst = jnp.array([4, 1, -1], jnp.int32), jnp.array([0, 2, 1], jnp.int32)
+
+    def step(pool, cache, n_jobs, jobs):
+        s = doorbell_serve(src, n_jobs=n_jobs, implementation="host_ffi")
+        for j in jobs:
+            cache = gather_blocks_ring(pool, s, dst, cache, job=j, implementation="host_ffi")
+            cache = gather_blocks_ring_wait(cache, s, dst, s, job=j, implementation="host_ffi")
+        return cache
+
+    reset_host_copies_in_flight()
+    out = jax.jit(step, static_argnums=(2, 3))(pool, cache, 2, (0, 1))
+    np.testing.assert_array_equal(out[0], pool[4])
+    np.testing.assert_array_equal(out[2], pool[1])
+    short = jax.jit(step, static_argnums=(2, 3))
+    short(pool, cache, 2, (0,)).block_until_ready()  # rings 1 of its 2 jobs
+    with pytest.raises(Exception, match="rang 1 of its 2 jobs"):
+        short(pool, cache, 2, (0,)).block_until_ready()
+    reset_host_copies_in_flight()
+    with pytest.raises(Exception, match="ring of job 1 where the server expects job 0"):
+        short(pool, cache, 2, (1,)).block_until_ready()
+    reset_host_copies_in_flight()
 
 
 @needs_cxx

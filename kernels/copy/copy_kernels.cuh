@@ -20,13 +20,10 @@ struct KernelPayloads {  // by value: a launch's payloads in constant memory
 // about a microsecond, and one vector in flight per thread would cap a CTA at 4 KB per latency.
 constexpr int kUnroll = 4;
 
-__global__ void copy_blocks_kernel(KernelPayloads p, const int32_t* __restrict__ src,
-                                   const int32_t* __restrict__ dst, int64_t n_tasks, int64_t n_from, int64_t n_to,
-                                   unsigned int* started) {
-  if (started != nullptr && threadIdx.x == 0) {  // announce that this CTA holds its SM
-    atomicAdd(started, 1u);
-    __threadfence_system();
-  }
+// This CTA's share of the tasks (every gridDim.x-th from blockIdx.x): one block of every payload each
+__device__ __forceinline__ void copy_task_share(const KernelPayloads& p, const int32_t* __restrict__ src,
+                                                const int32_t* __restrict__ dst, int64_t n_tasks, int64_t n_from,
+                                                int64_t n_to) {
   const int64_t step = blockDim.x;
   for (int64_t t = blockIdx.x; t < n_tasks; t += gridDim.x) {
     const int32_t s = src[t];
@@ -47,6 +44,16 @@ __global__ void copy_blocks_kernel(KernelPayloads p, const int32_t* __restrict__
       for (; i < vecs; i += step) b[i] = a[i];
     }
   }
+}
+
+__global__ void copy_blocks_kernel(KernelPayloads p, const int32_t* __restrict__ src,
+                                   const int32_t* __restrict__ dst, int64_t n_tasks, int64_t n_from, int64_t n_to,
+                                   unsigned int* started) {
+  if (started != nullptr && threadIdx.x == 0) {  // announce that this CTA holds its SM
+    atomicAdd(started, 1u);
+    __threadfence_system();
+  }
+  copy_task_share(p, src, dst, n_tasks, n_from, n_to);
 }
 
 // Deeper: the tasks of a group of `group` (<= kMaxGroup) are copied as one range of vectors, with
@@ -97,6 +104,103 @@ __global__ void copy_groups_kernel(KernelPayloads p, const int32_t* __restrict__
             if (gs[k] >= 0) p.to[j][static_cast<int64_t>(gd[k]) * vecs + (i - k * vecs)] = r[u];
           }
         }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- doorbell copies
+// A persistent server grid copies the jobs that ring kernels on XLA's stream post, and wait
+// kernels on XLA's stream spin until a job is done: the start and the wait of a prefetch are then
+// ordinary kernels that XLA can record into its CUDA graphs (docs/decisions.md, "At full depth").
+// Per job j (a step's j-th ring): the ring writes job[j], then rung[j] = 1; the server's CTAs
+// copy their shares, the last one resets rung[j] and count[j] and sets done[j] = 1; the wait
+// spins on done[j] and resets it. Stream order makes the resets safe: XLA's stream runs wait j of
+// one step before ring j of the next, and a step's server ends before the next one starts (one
+// stream). Both spins give up after kSpinLimit cycles, setting *error, which the next serve reads.
+
+constexpr int kMaxJobs = 256;  // rings a step: one per offloaded layer
+constexpr long long kSpinLimit = 4000000000LL;  // ~2 s at H200 clocks: a hang, not a slow copy
+
+struct DoorbellJob {
+  KernelPayloads k;
+  const int32_t* src;
+  const int32_t* dst;
+  int64_t n_tasks, n_from, n_to;
+};
+
+struct Doorbell {  // device memory, zeroed once
+  DoorbellJob job[kMaxJobs];
+  unsigned int rung[kMaxJobs];
+  unsigned int done[kMaxJobs];
+  unsigned int count[kMaxJobs];
+};
+
+__device__ __forceinline__ unsigned int load_volatile(const unsigned int* a) {
+  return *reinterpret_cast<const volatile unsigned int*>(a);
+}
+
+// One thread spins until *flag != 0; false if the watchdog fired first (then *error is set)
+__device__ __forceinline__ bool spin_until_set(const unsigned int* flag, int* error) {
+  const long long t0 = clock64();
+  while (load_volatile(flag) == 0) {
+    if (clock64() - t0 > kSpinLimit) {
+      atomicExch(error, 1);
+      __threadfence_system();
+      return false;
+    }
+    __nanosleep(256);
+  }
+  __threadfence();  // what was written before the flag is visible after it
+  return true;
+}
+
+__global__ void doorbell_ring_kernel(Doorbell* bell, int job, KernelPayloads k, const int32_t* src,
+                                     const int32_t* dst, int64_t n_tasks, int64_t n_from, int64_t n_to) {
+  DoorbellJob* j = &bell->job[job];
+  j->k = k;
+  j->src = src;
+  j->dst = dst;
+  j->n_tasks = n_tasks;
+  j->n_from = n_from;
+  j->n_to = n_to;
+  __threadfence();
+  atomicExch(&bell->rung[job], 1u);
+}
+
+__global__ void doorbell_wait_kernel(Doorbell* bell, int job, int* error) {
+  if (spin_until_set(&bell->done[job], error)) bell->done[job] = 0;
+  __threadfence();
+}
+
+__global__ void doorbell_server_kernel(Doorbell* bell, int n_jobs, int* error) {
+  __shared__ int go;
+  for (int j = 0; j < n_jobs; ++j) {
+    if (threadIdx.x == 0) go = spin_until_set(&bell->rung[j], error) ? 1 : 0;
+    __syncthreads();
+    if (!go) return;  // the watchdog fired: the host reports it at the next serve
+    // the job through L2 (ld.cg): another kernel wrote it, this SM's L1 may hold an older one
+    const DoorbellJob* jb = &bell->job[j];
+    KernelPayloads k;
+    for (int i = 0; i < kMaxPayloads; ++i) {
+      k.from[i] = reinterpret_cast<const uint4*>(__ldcg(reinterpret_cast<const long long*>(&jb->k.from[i])));
+      k.to[i] = reinterpret_cast<uint4*>(__ldcg(reinterpret_cast<const long long*>(&jb->k.to[i])));
+      k.vecs[i] = __ldcg(reinterpret_cast<const long long*>(&jb->k.vecs[i]));
+    }
+    k.n = __ldcg(&jb->k.n);
+    const int32_t* src = reinterpret_cast<const int32_t*>(__ldcg(reinterpret_cast<const long long*>(&jb->src)));
+    const int32_t* dst = reinterpret_cast<const int32_t*>(__ldcg(reinterpret_cast<const long long*>(&jb->dst)));
+    copy_task_share(k, src, dst, __ldcg(reinterpret_cast<const long long*>(&jb->n_tasks)),
+                    __ldcg(reinterpret_cast<const long long*>(&jb->n_from)),
+                    __ldcg(reinterpret_cast<const long long*>(&jb->n_to)));
+    __threadfence();  // this thread's stores visible device-wide before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      if (atomicAdd(&bell->count[j], 1u) == gridDim.x - 1) {  // the last CTA of this job
+        bell->count[j] = 0;
+        bell->rung[j] = 0;
+        __threadfence();
+        atomicExch(&bell->done[j], 1u);
       }
     }
   }

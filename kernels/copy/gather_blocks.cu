@@ -21,6 +21,8 @@
 //                        a timeline; off unless sparda_trace_enable)
 //   SpardaScatterBlocks  pool[dst[t]] = cache[src[t]]: device slots written back into the host
 //                        pool in place (the pool is aliased to the output)
+//   SpardaDoorbell*      the prefetch as jobs of a persistent server, rung and waited on by
+//                        kernels XLA may record into its graphs (the section at the end)
 //
 //   Operands (copy_tasks.h): src, dst int32 [n] (the task lists; src < 0: no task), then per
 //   payload (K, V, cis: 1..kMaxPayloads, one launch for all) the `from` buffers, then the
@@ -497,4 +499,174 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherBlocksGraph, CopyImpl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraph, CopyImpl,
                               copy_call_binding(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+// ---------------------------------------------------------------- doorbell copies (copy_kernels.cuh)
+//
+//   SpardaDoorbellServe  launches the step's server grid (num_ctas CTAs, n_jobs jobs) on its own
+//                        high-priority stream, outside XLA's graphs; returns src (aliased), which
+//                        the step's first ring takes, so the server is launched before any wait.
+//                        Reports a watchdog that fired since the previous serve.
+//   SpardaDoorbellRing   posts job `job` (the gather's operands, as SpardaGatherBlocks's) on XLA's
+//                        stream: a one-thread kernel, recordable into XLA's graphs.
+//   SpardaDoorbellWait   XLA's stream spins (one thread) until job `job` is done; the operands of
+//                        SpardaGatherWait. Recordable too.
+// The doorbell (device memory) and the watchdog word (mapped host memory) are made by
+// sparda_doorbell_init, called from Python before the first trace: nothing may be allocated
+// while XLA records a graph.
+
+namespace {
+
+struct DoorbellState {
+  Doorbell* bell = nullptr;
+  int* error = nullptr;  // mapped pinned host memory, written by the spins' watchdog
+  cudaStream_t stream = nullptr;
+};
+
+std::unordered_map<int, DoorbellState> g_doorbell;
+
+ffi::Error doorbell_of(DoorbellState** out) {
+  int dev = 0;
+  const cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return cuda_error("cudaGetDevice", err);
+  std::lock_guard<std::mutex> lock(g_mu);
+  auto it = g_doorbell.find(dev);
+  if (it == g_doorbell.end()) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "doorbell not initialised (sparda_doorbell_init)");
+  }
+  *out = &it->second;
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// 0 on success, else a cudaError_t. Idempotent per device.
+extern "C" int sparda_doorbell_init() {
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_doorbell.count(dev)) return 0;
+  DoorbellState st;
+  int least = 0, greatest = 0;
+  if ((err = cudaMalloc(&st.bell, sizeof(Doorbell))) != cudaSuccess ||
+      (err = cudaMemset(st.bell, 0, sizeof(Doorbell))) != cudaSuccess ||
+      (err = cudaHostAlloc(&st.error, sizeof(int), cudaHostAllocMapped)) != cudaSuccess ||
+      (err = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess ||
+      (err = cudaStreamCreateWithPriority(&st.stream, cudaStreamNonBlocking, greatest)) != cudaSuccess ||
+      (err = cudaDeviceSynchronize()) != cudaSuccess) {
+    return static_cast<int>(err);
+  }
+  *st.error = 0;
+  g_doorbell[dev] = st;
+  return 0;
+}
+
+static int* device_view(int* mapped) {
+  int* d = nullptr;
+  return cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), mapped, 0) == cudaSuccess ? d : nullptr;
+}
+
+static ffi::Error DoorbellServeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Result<ffi::Buffer<ffi::S32>> out,
+                                    int32_t n_jobs, int32_t num_ctas, int32_t threads) {
+  if (n_jobs < 1 || n_jobs > kMaxJobs) return ffi::Error::InvalidArgument("n_jobs must be in 1..256");
+  ffi::Error e = check_threads(threads);
+  if (e.failure()) return e;
+  DoorbellState* st = nullptr;
+  if ((e = doorbell_of(&st)).failure()) return e;
+  if (*reinterpret_cast<volatile int*>(st->error) != 0) {  // written by a spin of an earlier step
+    return ffi::Error::Internal("doorbell copy: a spin's watchdog fired (a ring or wait without its match?)");
+  }
+  cudaError_t err;
+  if (src.typed_data() != out->typed_data() &&
+      (err = cudaMemcpyAsync(out->typed_data(), src.typed_data(), src.size_bytes(), cudaMemcpyDeviceToDevice,
+                             stream)) != cudaSuccess) {
+    return cuda_error("cudaMemcpyAsync (unaliased serve)", err);
+  }
+  int* error = device_view(st->error);
+  if (error == nullptr) return ffi::Error::Internal("cudaHostGetDevicePointer failed");
+  doorbell_server_kernel<<<num_ctas < 1 ? 1 : num_ctas, threads, 0, st->stream>>>(st->bell, n_jobs, error);
+  if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error("doorbell server launch", err);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellServe, DoorbellServeImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("n_jobs")
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<int32_t>("threads"));
+
+static ffi::Error DoorbellRingImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                   ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                   ffi::Span<const int64_t> block_bytes, int32_t job) {
+  if (job < 0 || job >= kMaxJobs) return ffi::Error::InvalidArgument("job must be in 0..255");
+  CopyPayloads p;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e.failure()) return e;
+  if ((e = alias_or_copy(stream, p)).failure()) return e;
+  DoorbellState* st = nullptr;
+  if ((e = doorbell_of(&st)).failure()) return e;
+  KernelPayloads k{};
+  k.n = p.n;
+  for (int j = 0; j < p.n; ++j) {
+    if (reinterpret_cast<uintptr_t>(p.from[j]) % 16 != 0 || reinterpret_cast<uintptr_t>(p.to[j]) % 16 != 0) {
+      return ffi::Error::InvalidArgument("pool and cache must be 16-byte aligned");
+    }
+    k.from[j] = static_cast<const uint4*>(p.from[j]);
+    k.to[j] = static_cast<uint4*>(p.to[j]);
+    k.vecs[j] = p.block_bytes[j] / 16;
+  }
+  doorbell_ring_kernel<<<1, 1, 0, stream>>>(st->bell, job, k, src.typed_data(), dst.typed_data(),
+                                            static_cast<int64_t>(src.element_count()), p.n_from, p.n_to);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_error("doorbell ring launch", err);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellRing, DoorbellRingImpl,
+                              copy_binding()
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("job"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+static ffi::Error DoorbellWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
+                                   ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                                   int32_t job) {
+  (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
+  if (job < 0 || job >= kMaxJobs) return ffi::Error::InvalidArgument("job must be in 0..255");
+  if (rets.size() < 1 || args.size() != rets.size()) {
+    return ffi::Error::InvalidArgument("a wait takes the rung caches and returns them");
+  }
+  DoorbellState* st = nullptr;
+  ffi::Error e = doorbell_of(&st);
+  if (e.failure()) return e;
+  int* error = device_view(st->error);
+  if (error == nullptr) return ffi::Error::Internal("cudaHostGetDevicePointer failed");
+  doorbell_wait_kernel<<<1, 1, 0, stream>>>(st->bell, job, error);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return cuda_error("doorbell wait launch", err);
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
+    if (in->untyped_data() == (*out)->untyped_data()) continue;
+    count_unaliased((*out)->size_bytes());
+    err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(), cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+  }
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWait, DoorbellWaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src (kept alive)
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst (kept alive)
+                                  .Arg<ffi::AnyBuffer>()          // after: orders the wait
+                                  .RemainingArgs()                // caches being written x n (aliased)
+                                  .RemainingRets()                // caches, complete
+                                  .Attr<int32_t>("job"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -194,6 +194,75 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaMarkHost, MarkImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("id"));
 
+// The doorbell copies' twins (gather_blocks.cu: serve, ring, wait). A ring is a start, its wait a
+// wait; the serve checks what would hang the GPU's server: every serve's step must ring jobs
+// 0..n_jobs-1 in order, each exactly once, before the next serve.
+namespace {
+int g_jobs_expected = 0, g_jobs_rung = 0;
+bool g_served = false;
+}  // namespace
+
+static ffi::Error DoorbellServeImpl(ffi::Buffer<ffi::S32> src, ffi::Result<ffi::Buffer<ffi::S32>> out,
+                                    int32_t n_jobs, int32_t num_ctas, int32_t threads) {
+  (void)num_ctas;
+  if (n_jobs < 1 || n_jobs > 256) return ffi::Error::InvalidArgument("n_jobs must be in 1..256");
+  ffi::Error e = check_threads(threads);
+  if (e.failure()) return e;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_served && g_jobs_rung != g_jobs_expected) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "doorbell: the previous step rang " + std::to_string(g_jobs_rung) + " of its " +
+                          std::to_string(g_jobs_expected) + " jobs (its server would never finish)");
+  }
+  g_served = true;
+  g_jobs_expected = n_jobs;
+  g_jobs_rung = 0;
+  if (src.typed_data() != out->typed_data()) std::memcpy(out->typed_data(), src.typed_data(), src.size_bytes());
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellServeHost, DoorbellServeImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int32_t>("n_jobs")
+                                  .Attr<int32_t>("num_ctas")
+                                  .Attr<int32_t>("threads"));
+
+static ffi::Error DoorbellRingImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::RemainingArgs args,
+                                   ffi::RemainingRets rets, ffi::Span<const int64_t> block_bytes, int32_t job) {
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    if (!g_served || job != g_jobs_rung || job >= g_jobs_expected) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "doorbell: ring of job " + std::to_string(job) + " where the server expects job " +
+                            std::to_string(g_jobs_rung) + " of " + std::to_string(g_jobs_expected));
+    }
+    g_jobs_rung += 1;
+  }
+  return GatherStartImpl(src, dst, args, rets, 1, block_bytes, 0, 0, 256, 1);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellRingHost, DoorbellRingImpl,
+                              copy_binding()
+                                  .Attr<ffi::Span<const int64_t>>("block_bytes")
+                                  .Attr<int32_t>("job"));
+
+static ffi::Error DoorbellWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
+                                   ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t job) {
+  (void)job;
+  return GatherWaitImpl(src, dst, after, args, rets);
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWaitHost, DoorbellWaitImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
+                                  .Arg<ffi::AnyBuffer>()          // after
+                                  .RemainingArgs()                // caches being written x n (aliased)
+                                  .RemainingRets()                // caches, complete
+                                  .Attr<int32_t>("job"));
+
 // How many starts are still waiting for their wait: 0 after every complete engine step.
 extern "C" int64_t sparda_host_copies_in_flight() {
   std::lock_guard<std::mutex> lock(g_mu);
@@ -215,4 +284,6 @@ extern "C" void sparda_reset_unaliasedHost() {
 extern "C" void sparda_host_reset_in_flight() {
   std::lock_guard<std::mutex> lock(g_mu);
   g_in_flight.clear();
+  g_served = false;  // and the doorbell's step bookkeeping
+  g_jobs_expected = g_jobs_rung = 0;
 }

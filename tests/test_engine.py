@@ -233,7 +233,7 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
 def test_host_ffi_doorbell_refuses_a_step_that_rang_too_few_jobs():
     """The doorbell's server copies a step's jobs 0..n_jobs-1 in order; a step that rings fewer
     would leave the GPU's server waiting. The CPU twin says so at the next serve, and refuses a
-    ring out of order."""
+    ring out of order and a wait on another job than its cache's ring."""
     from sparda_jax.kernels.copy_engine import (doorbell_serve, gather_blocks_ring, gather_blocks_ring_wait,
                                                 reset_host_copies_in_flight)
 
@@ -259,6 +259,15 @@ def test_host_ffi_doorbell_refuses_a_step_that_rang_too_few_jobs():
     reset_host_copies_in_flight()
     with pytest.raises(Exception, match="ring of job 1 where the server expects job 0"):
         short(pool, cache, 2, (1,)).block_until_ready()
+    reset_host_copies_in_flight()
+
+    def crossed(pool, cache):  # job 0's cache waited on as job 1
+        s = doorbell_serve(src, n_jobs=1, implementation="host_ffi")
+        c = gather_blocks_ring(pool, s, dst, cache, job=0, implementation="host_ffi")
+        return gather_blocks_ring_wait(c, s, dst, s, job=1, implementation="host_ffi")
+
+    with pytest.raises(Exception, match="wait for job 1 on a cache rung as job 0"):
+        jax.jit(crossed)(pool, cache).block_until_ready()
     reset_host_copies_in_flight()
 
 

@@ -117,7 +117,9 @@ __global__ void copy_groups_kernel(KernelPayloads p, const int32_t* __restrict__
 // copy their shares, the last one resets rung[j] and count[j] and sets done[j] = 1; the wait
 // spins on done[j] and resets it. Stream order makes the resets safe: XLA's stream runs wait j of
 // one step before ring j of the next, and a step's server ends before the next one starts (one
-// stream). Both spins give up after kSpinLimit cycles, setting *error, which the next serve reads.
+// stream). A spin past kSpinLimit cycles, or a ring beyond the served jobs, stops the context
+// (doorbell_fail): the protocol needs the server to run beside XLA's kernels, so it cannot work
+// where kernels are serialised (CUDA_LAUNCH_BLOCKING=1, a kernel profiler's replay).
 
 constexpr int kMaxJobs = 256;  // rings a step: one per offloaded layer
 constexpr long long kSpinLimit = 4000000000LL;  // ~2 s at H200 clocks: a hang, not a slow copy
@@ -140,19 +142,26 @@ __device__ __forceinline__ unsigned int load_volatile(const unsigned int* a) {
   return *reinterpret_cast<const volatile unsigned int*>(a);
 }
 
-// One thread spins until *flag != 0; false if the watchdog fired first (then *error is set)
-__device__ __forceinline__ bool spin_until_set(const unsigned int* flag, int* error) {
+// The protocol is broken (a ring or wait without its match, or kernels serialised, as under
+// CUDA_LAUNCH_BLOCKING): say so and kill the context. Going on would hand XLA a half-copied cache
+// and leave the doorbell's flags for the next step to misread; a trap fails every later call.
+__device__ __noinline__ void doorbell_fail(int* error, int code, int job) {
+  atomicExch(error, code);
+  __threadfence_system();
+  printf("sparda doorbell: %s (job %d); the CUDA context is stopped\n",
+         code == 1 ? "a spin waited > ~2 s: a ring or wait without its match, or kernels serialised"
+                   : "a ring outside the served jobs", job);
+  __trap();
+}
+
+// One thread spins until *flag != 0, or stops everything after ~2 s (doorbell_fail)
+__device__ __forceinline__ void spin_until_set(const unsigned int* flag, int* error, int job) {
   const long long t0 = clock64();
   while (load_volatile(flag) == 0) {
-    if (clock64() - t0 > kSpinLimit) {
-      atomicExch(error, 1);
-      __threadfence_system();
-      return false;
-    }
+    if (clock64() - t0 > kSpinLimit) doorbell_fail(error, 1, job);
     __nanosleep(256);
   }
   __threadfence();  // what was written before the flag is visible after it
-  return true;
 }
 
 __global__ void doorbell_ring_kernel(Doorbell* bell, int job, KernelPayloads k, const int32_t* src,
@@ -169,17 +178,17 @@ __global__ void doorbell_ring_kernel(Doorbell* bell, int job, KernelPayloads k, 
 }
 
 __global__ void doorbell_wait_kernel(Doorbell* bell, int job, int* error) {
-  if (spin_until_set(&bell->done[job], error)) bell->done[job] = 0;
+  spin_until_set(&bell->done[job], error, job);
+  bell->done[job] = 0;
   __threadfence();
 }
 
 __global__ void doorbell_server_kernel(Doorbell* bell, int n_jobs, int* error) {
-  __shared__ int go;
   for (int j = 0; j < n_jobs; ++j) {
-    if (threadIdx.x == 0) go = spin_until_set(&bell->rung[j], error) ? 1 : 0;
-    __syncthreads();
-    if (!go) return;  // the watchdog fired: the host reports it at the next serve
-    // the job through L2 (ld.cg): another kernel wrote it, this SM's L1 may hold an older one
+    if (threadIdx.x == 0) spin_until_set(&bell->rung[j], error, j);
+    __syncthreads();  // with thread 0's fence: the job (and the tasks it names) visible to every thread
+    // the descriptor through L2 (ld.cg), a habit for data another kernel wrote while this one
+    // runs; the release/acquire chain above already orders it, and the task lists and pools
     const DoorbellJob* jb = &bell->job[j];
     KernelPayloads k;
     for (int i = 0; i < kMaxPayloads; ++i) {
@@ -201,6 +210,13 @@ __global__ void doorbell_server_kernel(Doorbell* bell, int n_jobs, int* error) {
         bell->rung[j] = 0;
         __threadfence();
         atomicExch(&bell->done[j], 1u);
+        // the step's last job: no ring may be pending beyond the served ones (it would be run,
+        // with a stale descriptor, by the next step's server)
+        if (j == n_jobs - 1) {
+          for (int r = n_jobs; r < kMaxJobs; ++r) {
+            if (load_volatile(&bell->rung[r]) != 0) doorbell_fail(error, 2, r);
+          }
+        }
       }
     }
   }

@@ -506,7 +506,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraph, CopyImpl,
 //   SpardaDoorbellServe  launches the step's server grid (num_ctas CTAs, n_jobs jobs) on its own
 //                        high-priority stream, outside XLA's graphs; returns src (aliased), which
 //                        the step's first ring takes, so the server is launched before any wait.
-//                        Reports a watchdog that fired since the previous serve.
+//                        A broken protocol stops the context from the device (doorbell_fail); the
+//                        serve also refuses to go on once its error word is set.
 //   SpardaDoorbellRing   posts job `job` (the gather's operands, as SpardaGatherBlocks's) on XLA's
 //                        stream: a one-thread kernel, recordable into XLA's graphs.
 //   SpardaDoorbellWait   XLA's stream spins (one thread) until job `job` is done; the operands of
@@ -519,7 +520,8 @@ namespace {
 
 struct DoorbellState {
   Doorbell* bell = nullptr;
-  int* error = nullptr;  // mapped pinned host memory, written by the spins' watchdog
+  int* error = nullptr;         // mapped pinned host memory, written by doorbell_fail
+  int* error_device = nullptr;  // its device address
   cudaStream_t stream = nullptr;
 };
 
@@ -540,7 +542,8 @@ ffi::Error doorbell_of(DoorbellState** out) {
 
 }  // namespace
 
-// 0 on success, else a cudaError_t. Idempotent per device.
+// 0 on success, else a cudaError_t. Idempotent per device; for the device current on the calling
+// thread (the engine runs on one GPU).
 extern "C" int sparda_doorbell_init() {
   int dev = 0;
   cudaError_t err = cudaGetDevice(&dev);
@@ -552,6 +555,7 @@ extern "C" int sparda_doorbell_init() {
   if ((err = cudaMalloc(&st.bell, sizeof(Doorbell))) != cudaSuccess ||
       (err = cudaMemset(st.bell, 0, sizeof(Doorbell))) != cudaSuccess ||
       (err = cudaHostAlloc(&st.error, sizeof(int), cudaHostAllocMapped)) != cudaSuccess ||
+      (err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.error_device), st.error, 0)) != cudaSuccess ||
       (err = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess ||
       (err = cudaStreamCreateWithPriority(&st.stream, cudaStreamNonBlocking, greatest)) != cudaSuccess ||
       (err = cudaDeviceSynchronize()) != cudaSuccess) {
@@ -562,11 +566,6 @@ extern "C" int sparda_doorbell_init() {
   return 0;
 }
 
-static int* device_view(int* mapped) {
-  int* d = nullptr;
-  return cudaHostGetDevicePointer(reinterpret_cast<void**>(&d), mapped, 0) == cudaSuccess ? d : nullptr;
-}
-
 static ffi::Error DoorbellServeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Result<ffi::Buffer<ffi::S32>> out,
                                     int32_t n_jobs, int32_t num_ctas, int32_t threads) {
   if (n_jobs < 1 || n_jobs > kMaxJobs) return ffi::Error::InvalidArgument("n_jobs must be in 1..256");
@@ -575,7 +574,9 @@ static ffi::Error DoorbellServeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> s
   DoorbellState* st = nullptr;
   if ((e = doorbell_of(&st)).failure()) return e;
   if (*reinterpret_cast<volatile int*>(st->error) != 0) {  // written by a spin of an earlier step
-    return ffi::Error::Internal("doorbell copy: a spin's watchdog fired (a ring or wait without its match?)");
+    return ffi::Error::Internal("doorbell copy: stopped by the device (error " +
+                                std::to_string(*reinterpret_cast<volatile int*>(st->error)) +
+                                ": 1 a spin waited > ~2 s, 2 a ring beyond the served jobs)");
   }
   cudaError_t err;
   if (src.typed_data() != out->typed_data() &&
@@ -583,9 +584,8 @@ static ffi::Error DoorbellServeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> s
                              stream)) != cudaSuccess) {
     return cuda_error("cudaMemcpyAsync (unaliased serve)", err);
   }
-  int* error = device_view(st->error);
-  if (error == nullptr) return ffi::Error::Internal("cudaHostGetDevicePointer failed");
-  doorbell_server_kernel<<<num_ctas < 1 ? 1 : num_ctas, threads, 0, st->stream>>>(st->bell, n_jobs, error);
+  doorbell_server_kernel<<<num_ctas < 1 ? 1 : num_ctas, threads, 0, st->stream>>>(st->bell, n_jobs,
+                                                                                  st->error_device);
   if ((err = cudaGetLastError()) != cudaSuccess) return cuda_error("doorbell server launch", err);
   return ffi::Error::Success();
 }
@@ -643,9 +643,7 @@ static ffi::Error DoorbellWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sr
   DoorbellState* st = nullptr;
   ffi::Error e = doorbell_of(&st);
   if (e.failure()) return e;
-  int* error = device_view(st->error);
-  if (error == nullptr) return ffi::Error::Internal("cudaHostGetDevicePointer failed");
-  doorbell_wait_kernel<<<1, 1, 0, stream>>>(st->bell, job, error);
+  doorbell_wait_kernel<<<1, 1, 0, stream>>>(st->bell, job, st->error_device);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error("doorbell wait launch", err);
   for (size_t j = 0; j < rets.size(); ++j) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "copy_tasks.h"
@@ -200,6 +201,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaMarkHost, MarkImpl,
 namespace {
 int g_jobs_expected = 0, g_jobs_rung = 0;
 bool g_served = false;
+std::unordered_map<uintptr_t, int> g_ring_job;  // the job rung into each cache, until its wait
 }  // namespace
 
 static ffi::Error DoorbellServeImpl(ffi::Buffer<ffi::S32> src, ffi::Result<ffi::Buffer<ffi::S32>> out,
@@ -240,7 +242,12 @@ static ffi::Error DoorbellRingImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
     }
     g_jobs_rung += 1;
   }
-  return GatherStartImpl(src, dst, args, rets, 1, block_bytes, 0, 0, 256, 1);
+  ffi::Error e = GatherStartImpl(src, dst, args, rets, 1, block_bytes, 0, 0, 256, 1);
+  if (e.failure()) return e;
+  auto first = rets.get<ffi::AnyBuffer>(0);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_ring_job[reinterpret_cast<uintptr_t>((*first)->untyped_data())] = job;
+  return ffi::Error::Success();
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellRingHost, DoorbellRingImpl,
@@ -250,7 +257,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellRingHost, DoorbellRingImpl,
 
 static ffi::Error DoorbellWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                    ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t job) {
-  (void)job;
+  auto first = args.get<ffi::AnyBuffer>(0);
+  if (!first.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
+  {
+    std::lock_guard<std::mutex> lock(g_mu);
+    const auto it = g_ring_job.find(reinterpret_cast<uintptr_t>(first->untyped_data()));
+    if (it == g_ring_job.end() || it->second != job) {  // on the GPU: a wait on another job's flag
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                        "doorbell: wait for job " + std::to_string(job) + " on a cache rung as job " +
+                            (it == g_ring_job.end() ? std::string("none") : std::to_string(it->second)));
+    }
+    g_ring_job.erase(it);
+  }
   return GatherWaitImpl(src, dst, after, args, rets);
 }
 
@@ -286,4 +304,5 @@ extern "C" void sparda_host_reset_in_flight() {
   g_in_flight.clear();
   g_served = false;  // and the doorbell's step bookkeeping
   g_jobs_expected = g_jobs_rung = 0;
+  g_ring_job.clear();
 }

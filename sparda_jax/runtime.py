@@ -23,14 +23,11 @@ LAUNCH_QUEUE_SCALES = ("0.25x", "0.5x", "2x", "4x")
 _warned = False
 
 
-# CUresult of a driver call made before cuInit
-_CUDA_ERROR_NOT_INITIALIZED = 3
-
-
 def _cuda_driver_started() -> bool:
     """Whether anything in this process (JAX, a CUDA library loaded by ctypes, ...) has
     initialised the CUDA driver: then it has read its environment. Loading libcuda does not
-    initialise it; cuCtxGetCurrent answers CUDA_ERROR_NOT_INITIALIZED until cuInit ran."""
+    initialise it; cuCtxGetCurrent answers CUDA_SUCCESS only after a successful cuInit
+    (CUDA_ERROR_NOT_INITIALIZED before; a stub driver or a machine without a GPU, other errors)."""
     import ctypes
 
     try:
@@ -38,7 +35,7 @@ def _cuda_driver_started() -> bool:
     except OSError:  # no driver: nothing reads the variable
         return False
     ctx = ctypes.c_void_p()
-    return lib.cuCtxGetCurrent(ctypes.byref(ctx)) != _CUDA_ERROR_NOT_INITIALIZED
+    return lib.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
 
 
 def _gpu_started() -> bool:

@@ -462,7 +462,7 @@ def doorbell_serve(src, *, n_jobs: int, num_ctas: int = 16, threads: int = COPY_
     post (`gather_blocks_ring`, jobs 0..n_jobs-1, in order, each once), on a stream of their own,
     and stay resident until the last. Returns src (aliased), to feed the step's first ring: the
     server is then launched before any wait spins. A step that rings fewer jobs leaves the server
-    waiting: the GPU's watchdog gives up after ~2 s and the next serve raises; the CPU twin
+    waiting: the GPU's watchdog stops the context after ~10 s; the CPU twin
     raises at the next serve."""
     implementation = _resolve(implementation)
     if implementation == "xla":

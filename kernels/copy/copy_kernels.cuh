@@ -122,7 +122,8 @@ __global__ void copy_groups_kernel(KernelPayloads p, const int32_t* __restrict__
 // where kernels are serialised (CUDA_LAUNCH_BLOCKING=1, a kernel profiler's replay).
 
 constexpr int kMaxJobs = 256;  // rings a step: one per offloaded layer
-constexpr long long kSpinLimit = 4000000000LL;  // ~2 s at H200 clocks: a hang, not a slow copy
+// ~10 s at H200 clocks: a hang, not a slow step (a first execution loads modules and builds graphs)
+constexpr long long kSpinLimit = 20000000000LL;
 
 struct DoorbellJob {
   KernelPayloads k;
@@ -149,12 +150,12 @@ __device__ __noinline__ void doorbell_fail(int* error, int code, int job) {
   atomicExch(error, code);
   __threadfence_system();
   printf("sparda doorbell: %s (job %d); the CUDA context is stopped\n",
-         code == 1 ? "a spin waited > ~2 s: a ring or wait without its match, or kernels serialised"
+         code == 1 ? "a spin waited > ~10 s: a ring or wait without its match, or kernels serialised"
                    : "a ring outside the served jobs", job);
   __trap();
 }
 
-// One thread spins until *flag != 0, or stops everything after ~2 s (doorbell_fail)
+// One thread spins until *flag != 0, or stops everything after ~10 s (doorbell_fail)
 __device__ __forceinline__ void spin_until_set(const unsigned int* flag, int* error, int job) {
   const long long t0 = clock64();
   while (load_volatile(flag) == 0) {

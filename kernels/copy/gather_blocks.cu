@@ -576,7 +576,7 @@ static ffi::Error DoorbellServeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> s
   if (*reinterpret_cast<volatile int*>(st->error) != 0) {  // written by a spin of an earlier step
     return ffi::Error::Internal("doorbell copy: stopped by the device (error " +
                                 std::to_string(*reinterpret_cast<volatile int*>(st->error)) +
-                                ": 1 a spin waited > ~2 s, 2 a ring beyond the served jobs)");
+                                ": 1 a spin waited > ~10 s, 2 a ring beyond the served jobs)");
   }
   cudaError_t err;
   if (src.typed_data() != out->typed_data() &&

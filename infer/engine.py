@@ -417,7 +417,7 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
             if "n_cache" in xs:
                 new_pre = prefetch_next(h, jnp.minimum(l + 1, c.num_layers - 1), xs["n_table"], xs["n_cache"],
                                         xs["n_ckeys"], xs["n_ccis"], active=l + 1 < c.num_layers,
-                                        job=l if isinstance(l, int) else None)
+                                        job=l)  # a Python int: the doorbell's path is the unrolled loop
             if async_copy:
                 # issue layer l+1's copy before this layer's attention and FFN, then wait for
                 # this layer's (started one layer earlier) as late as possible: after both starts'
@@ -429,7 +429,7 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
                     after.append(tok)
                 after.append(q.reshape(-1)[:1])
                 own = own.replace(cache=_wait_blocks(plan, own.cache, own.src, own.dst, join_tokens(*after),
-                                                     job=l - 1 if isinstance(l, int) else None))
+                                                     job=l - 1))
         else:
             ids = select(sel_mode, v, h, h_prev, q, l, ck.kc, cc, pk_l, False)
             own = _fetch(plan, ids, xs["table"], xs["cache"], state.host, l, pos)

@@ -445,14 +445,19 @@ def unaliased_copies(implementation: str | None = None, *, reset: bool = False) 
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
     """The cache (or tuple of caches) once the copy started into it is complete. src, dst: the
     start's (kept alive for the copy); after: any array the wait must follow in XLA's schedule."""
+    return _wait_call("sparda_gather_wait", cache, src, dst, after, implementation)
+
+
+def _wait_call(target: str, cache, src, dst, after, implementation, **attrs):
+    """One wait custom call (src, dst, after, *caches) -> caches, each aliased to its result."""
     implementation = _resolve(implementation)
     if implementation == "xla":
         return cache
     _register(implementation)
     caches, one = _as_tuple(cache)
     n = len(caches)
-    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)})
-    out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))
+    call = jax.ffi.ffi_call(target, _like(caches), input_output_aliases={3 + j: j for j in range(n)})
+    out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches, **attrs))
     return out[0] if one else out
 
 
@@ -495,15 +500,7 @@ def gather_blocks_ring(pool, src, dst, cache, *, job: int, block_ndim: int | Non
 def gather_blocks_ring_wait(cache, src, dst, after, *, job: int, implementation: str | None = None):
     """`gather_blocks_wait` for a ring: XLA's stream waits (a one-thread kernel, recordable into
     its graphs) until job `job` is copied."""
-    implementation = _resolve(implementation)
-    if implementation == "xla":
-        return cache
-    _register(implementation)
-    caches, one = _as_tuple(cache)
-    n = len(caches)
-    call = jax.ffi.ffi_call("sparda_doorbell_wait", _like(caches), input_output_aliases={3 + j: j for j in range(n)})
-    out = tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches, job=np.int32(job)))
-    return out[0] if one else out
+    return _wait_call("sparda_doorbell_wait", cache, src, dst, after, implementation, job=np.int32(job))
 
 
 def _scatter_one(cache, src, dst, pool, block_ndim):

@@ -384,6 +384,34 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherDmaStart, GatherDmaStartImpl,
                                   .Attr<ffi::Span<const int64_t>>("block_bytes")
                                   .Attr<int32_t>("lane"));
 
+// A wait's operands: src/dst (kept alive until the copy is done), `after` (orders the wait), the
+// caches being written x n (aliased to the results), and the results, complete.
+static auto wait_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::Buffer<ffi::S32>>()   // src
+      .Arg<ffi::Buffer<ffi::S32>>()   // dst
+      .Arg<ffi::AnyBuffer>()          // after
+      .RemainingArgs()
+      .RemainingRets();
+}
+
+// A wait's results, after its wait is on `stream`: each output XLA placed apart from its input
+// starts as a copy of it (counted; not seen so far)
+static ffi::Error wait_outputs(cudaStream_t stream, const ffi::RemainingArgs& args, const ffi::RemainingRets& rets) {
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
+    if (in->untyped_data() == (*out)->untyped_data()) continue;
+    count_unaliased((*out)->size_bytes());
+    const cudaError_t err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(),
+                                            cudaMemcpyDefault, stream);
+    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+  }
+  return ffi::Error::Success();
+}
+
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
@@ -404,26 +432,10 @@ static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src,
   if ((err = cudaStreamWaitEvent(stream, it->second, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
   s->spare.push_back(it->second);
   s->in_flight.erase(it);
-  for (size_t j = 0; j < rets.size(); ++j) {
-    auto in = args.get<ffi::AnyBuffer>(j);
-    auto out = rets.get<ffi::AnyBuffer>(j);
-    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
-    if (in->untyped_data() == (*out)->untyped_data()) continue;
-    count_unaliased((*out)->size_bytes());
-    err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(), cudaMemcpyDefault, stream);
-    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
-  }
-  return ffi::Error::Success();
+  return wait_outputs(stream, args, rets);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src (kept alive)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst (kept alive)
-                                  .Arg<ffi::AnyBuffer>()          // after: orders the wait
-                                  .RemainingArgs()                // caches being written x n (aliased)
-                                  .RemainingRets());              // caches, complete
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWait, GatherWaitImpl, wait_binding());
 
 // ---------------------------------------------------------------- diagnostics
 
@@ -646,25 +658,8 @@ static ffi::Error DoorbellWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sr
   doorbell_wait_kernel<<<1, 1, 0, stream>>>(st->bell, job, st->error_device);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return cuda_error("doorbell wait launch", err);
-  for (size_t j = 0; j < rets.size(); ++j) {
-    auto in = args.get<ffi::AnyBuffer>(j);
-    auto out = rets.get<ffi::AnyBuffer>(j);
-    if (!in.has_value() || !out.has_value()) return ffi::Error::InvalidArgument("a wait's caches must be buffers");
-    if (in->untyped_data() == (*out)->untyped_data()) continue;
-    count_unaliased((*out)->size_bytes());
-    err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(), cudaMemcpyDefault, stream);
-    if (err != cudaSuccess) return cuda_error("cudaMemcpyAsync (unaliased output)", err);
-  }
-  return ffi::Error::Success();
+  return wait_outputs(stream, args, rets);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWait, DoorbellWaitImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src (kept alive)
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst (kept alive)
-                                  .Arg<ffi::AnyBuffer>()          // after: orders the wait
-                                  .RemainingArgs()                // caches being written x n (aliased)
-                                  .RemainingRets()                // caches, complete
-                                  .Attr<int32_t>("job"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWait, DoorbellWaitImpl, wait_binding().Attr<int32_t>("job"),
                               {ffi::Traits::kCmdBufferCompatible});

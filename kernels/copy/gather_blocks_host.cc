@@ -164,13 +164,17 @@ static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32
   return ffi::Error::Success();
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWaitHost, GatherWaitImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .Arg<ffi::AnyBuffer>()          // after
-                                  .RemainingArgs()                // caches being written x n (aliased)
-                                  .RemainingRets());              // caches, complete
+// A wait's operands: src, dst, after, the caches being written x n (aliased), the results
+static auto wait_binding() {
+  return ffi::Ffi::Bind()
+      .Arg<ffi::Buffer<ffi::S32>>()   // src
+      .Arg<ffi::Buffer<ffi::S32>>()   // dst
+      .Arg<ffi::AnyBuffer>()          // after
+      .RemainingArgs()
+      .RemainingRets();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherWaitHost, GatherWaitImpl, wait_binding());
 
 // src: the cache slot of each task, dst: its pool block; from = caches, to = pools (aliased)
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksHost, CopyImpl,
@@ -272,14 +276,7 @@ static ffi::Error DoorbellWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
   return GatherWaitImpl(src, dst, after, args, rets);
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWaitHost, DoorbellWaitImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // src
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // dst
-                                  .Arg<ffi::AnyBuffer>()          // after
-                                  .RemainingArgs()                // caches being written x n (aliased)
-                                  .RemainingRets()                // caches, complete
-                                  .Attr<int32_t>("job"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWaitHost, DoorbellWaitImpl, wait_binding().Attr<int32_t>("job"));
 
 // How many starts are still waiting for their wait: 0 after every complete engine step.
 extern "C" int64_t sparda_host_copies_in_flight() {

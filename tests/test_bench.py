@@ -178,6 +178,10 @@ def test_select_bench_smoke_on_cpu(tmp_path):
         assert c["variants"]["infllmv2_mosaic"]["status"].startswith("unavailable")
         assert c["best_forecast"] == "forecast_xla" and c["best_infllmv2"] == "infllmv2_xla"
         assert c["speedup_forecast"] > 0 and c["attention_seconds_layer"] > 0 and c["attention_variant"] == "xla"
+        # the attention floor is the layer's (a prefill slice's floor scaled like its seconds)
+        fa = c["variants"]["forecast_xla"]["floor_seconds"] / c["forecast_over_attention_at_floors"]
+        assert 0 < fa < c["attention_seconds_layer"]
+    assert all(cl["ratio_at_floors"] > 0 for cl in r["claims"] if "sparse attention" in cl["claim"])
     assert r["cases"][0]["variants"]["forecast_xla"]["scale"] == 2.0
     assert {cl["claim"].split(":")[1].strip() for cl in r["claims"]} == {
         "InfLLM-V2 time / Forecast time", "Forecast selection / sparse attention time"}
@@ -469,3 +473,29 @@ def test_marginal_estimate_is_exact_for_a_step_linear_in_layers():
     assert o["ratio_to_max"] is None and o["ratio_to_sum"] is None
     with pytest.raises(ValueError, match="hi > lo"):
         marginal(row(2), row(4), full_layers=full)
+
+
+def test_select_bench_xla_variants_stay_xla_where_the_default_picks_kernels(monkeypatch):
+    # the selectors' default picks the Mosaic kernels for bf16 prefill on Hopper; the benchmark's
+    # "xla" rows must time the jnp path there, not the kernels again. With the platform check
+    # forced true on this CPU, a row that followed the default would try to lower a Mosaic GPU kernel.
+    import sparda_jax.select as sel
+    from sparda_jax.bench.attention import model_shape
+    from sparda_jax.bench.select import _kc, selector
+
+    monkeypatch.setattr(sel, "hopper_gpu", lambda: True)
+    shape = model_shape("tiny")
+    sp, kh, h, t = shape["sparse"], shape["kv_heads"], shape["heads"], 256
+    d = 128  # the default's head-dim condition
+    nb = t // sp.block_size
+    kq, kf, kk = jax.random.split(jax.random.key(4), 3)
+    kc = _kc(kk, 1, t, kh, d, sp)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    x = {"infllmv2": jax.random.normal(kq, (1, t, h, d), jnp.bfloat16),
+         "forecast": jax.random.normal(kf, (1, t, kh, d), jnp.bfloat16)}
+    assert sel._select_impl(None, x["forecast"], nb) == "mosaic_gpu"  # what the default would have run
+    for name, ref in (("forecast_xla", sel.select_blocks_forecast), ("infllmv2_xla", sel.select_blocks_infllmv2)):
+        fam, fn = selector(name, sp, nb)
+        got = fn(x[fam], kc, pos)
+        want = ref(x[fam], kc, pos, sp, n_blocks=nb, implementation="xla")
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -125,7 +125,8 @@ def _summary(res: dict, attn_s: float | None, attn_name, attn_floor_s: float | N
     if fb and attn_floor_s:
         # the ratio with both kernels at their floors: in decode both are bound by bytes, and the
         # selector reads every compressed key while attention reads only the selected blocks
-        res["forecast_over_attention_at_floors"] = vs[fb]["floor_seconds"] / attn_floor_s
+        # (a prefill row's floor is its timed slice's: scaled like its seconds)
+        res["forecast_over_attention_at_floors"] = vs[fb]["floor_seconds"] * vs[fb].get("scale", 1.0) / attn_floor_s
     if ib and attn_s:
         res["infllmv2_over_attention"] = vs[ib]["seconds_layer"] / attn_s
 

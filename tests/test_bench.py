@@ -179,8 +179,9 @@ def test_select_bench_smoke_on_cpu(tmp_path):
         assert c["best_forecast"] == "forecast_xla" and c["best_infllmv2"] == "infllmv2_xla"
         assert c["speedup_forecast"] > 0 and c["attention_seconds_layer"] > 0 and c["attention_variant"] == "xla"
         # the attention floor is the layer's (a prefill slice's floor scaled like its seconds)
-        fa = c["variants"]["forecast_xla"]["floor_seconds"] / c["forecast_over_attention_at_floors"]
-        assert 0 < fa < c["attention_seconds_layer"]
+        fx = c["variants"]["forecast_xla"]
+        fa = fx["floor_seconds"] * fx.get("scale", 1.0) / c["forecast_over_attention_at_floors"]
+        assert 0 < fa < c["attention_seconds_layer"] and fa == pytest.approx(c["attention_floor_seconds"])
     assert all(cl["ratio_at_floors"] > 0 for cl in r["claims"] if "sparse attention" in cl["claim"])
     assert r["cases"][0]["variants"]["forecast_xla"]["scale"] == 2.0
     assert {cl["claim"].split(":")[1].strip() for cl in r["claims"]} == {

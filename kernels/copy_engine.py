@@ -39,6 +39,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import jax
@@ -201,6 +202,14 @@ def _doorbell_init(implementation: str) -> None:
     while XLA records a graph, and XLA may record the rings before the serve has run). Once per
     device; the CPU twin needs none."""
     if implementation == "cuda":
+        from sparda_jax.runtime import MODULE_LOADING, lazy_module_loading
+
+        if lazy_module_loading():
+            warnings.warn(f"doorbell copies with CUDA's lazy kernel loading: a kernel first loaded while the step's "
+                          f"server spins (a cuBLAS or XLA kernel on the first step) can deadlock until the "
+                          f"doorbell's ~10 s watchdog stops the CUDA context. Export {MODULE_LOADING}=EAGER, or "
+                          "call sparda_jax.runtime.set_eager_module_loading() before JAX first uses the GPU.",
+                          stacklevel=3)
         err = ctypes.cdll.LoadLibrary(str(build_library())).sparda_doorbell_init()
         if err != 0:
             raise RuntimeError(f"sparda_doorbell_init failed: cudaError_t {err}")

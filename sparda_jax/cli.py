@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, set_launch_queues
+from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, set_eager_module_loading, set_launch_queues
 
 __all__ = ["main"]
 
@@ -415,6 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         try:
             set_launch_queues(args.launch_queues)  # before any command touches the GPU
         except RuntimeError as e:  # main() called in a process already on the GPU: run, but say so
+            print(f"sparda: warning: {e}", file=sys.stderr)
+    if getattr(args, "copy_start", None) == "doorbell":
+        try:
+            set_eager_module_loading()  # the doorbell's server must not wait on a lazy kernel load
+        except RuntimeError as e:
             print(f"sparda: warning: {e}", file=sys.stderr)
     try:
         return args.fn(args)

@@ -554,6 +554,25 @@ ffi::Error doorbell_of(DoorbellState** out) {
 
 }  // namespace
 
+// CUDA loads kernels lazily (CUDA_MODULE_LOADING=LAZY, the default since 12.2), at their first
+// launch or graph capture, and a load may synchronise the context. A ring or wait loaded while
+// the step's server spins would wait for the server, which waits for the ring: the first doorbell
+// run on the H200 (329d606) deadlocked there until the watchdog (the CUDA guide's lazy-loading
+// hazard "concurrent execution"). cudaFuncGetAttributes loads a kernel without running it; every
+// kernel of this library is loaded here, as any of them may first run beside a server.
+static cudaError_t preload_kernels() {
+  cudaFuncAttributes a;
+  cudaError_t err;
+  if ((err = cudaFuncGetAttributes(&a, doorbell_server_kernel)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&a, doorbell_ring_kernel)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&a, doorbell_wait_kernel)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&a, copy_blocks_kernel)) != cudaSuccess ||
+      (err = cudaFuncGetAttributes(&a, copy_groups_kernel)) != cudaSuccess) {
+    return err;
+  }
+  return cudaSuccess;
+}
+
 // 0 on success, else a cudaError_t. Idempotent per device; for the device current on the calling
 // thread (the engine runs on one GPU).
 extern "C" int sparda_doorbell_init() {
@@ -570,6 +589,7 @@ extern "C" int sparda_doorbell_init() {
       (err = cudaHostGetDevicePointer(reinterpret_cast<void**>(&st.error_device), st.error, 0)) != cudaSuccess ||
       (err = cudaDeviceGetStreamPriorityRange(&least, &greatest)) != cudaSuccess ||
       (err = cudaStreamCreateWithPriority(&st.stream, cudaStreamNonBlocking, greatest)) != cudaSuccess ||
+      (err = preload_kernels()) != cudaSuccess ||
       (err = cudaDeviceSynchronize()) != cudaSuccess) {
     return static_cast<int>(err);
   }

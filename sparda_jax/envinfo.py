@@ -12,9 +12,9 @@ import jax
 
 __all__ = ["environment"]
 
-# variables that change what a timed run measures (XLA's command buffers, the CUDA launch queues,
+# variables that change what a timed run measures (XLA's command buffers, the CUDA launch queues and kernel loading,
 # the compilation cache): recorded with each result so that two JSONs say how they differ
-_RUN_VARIABLES = ("XLA_FLAGS", "CUDA_SCALE_LAUNCH_QUEUES", "CUDA_DEVICE_MAX_CONNECTIONS",
+_RUN_VARIABLES = ("XLA_FLAGS", "CUDA_SCALE_LAUNCH_QUEUES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
                   "JAX_COMPILATION_CACHE_DIR", "XLA_PYTHON_CLIENT_MEM_FRACTION")
 
 

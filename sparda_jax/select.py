@@ -19,7 +19,7 @@ The InfLLM-V2 and Forecast selectors take `implementation=`: "xla" (the jnp code
 reference), "mosaic_gpu" / "mosaic_gpu_interpret" (kernels/forecast_select.py and
 kernels/infllmv2_select.py: scoring fused with the pooling and the forced/causal rules, a
 top-k without sort), None = "mosaic_gpu" for prefill where it ran correct on an H200 and was
-faster (bench/results/select.json: 2.6x the XLA Forecast selector and 3.1x the XLA InfLLM-V2
+faster (bench/results/select.json, fd748c4: 2.5x the XLA Forecast selector and 3.1x the XLA InfLLM-V2
 selector at 128K; Hopper, bf16/f16, head dim 128, <= 2048 blocks), XLA elsewhere (decode
 included, where XLA was faster).
 """

@@ -43,6 +43,7 @@ import functools
 import pathlib
 import sys
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +58,7 @@ from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDEN
                                      _wait_blocks, decode_plan, engine_decode_step, selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
-from sparda_jax.kernels.copy_engine import unaliased_copies
+from sparda_jax.kernels.copy_engine import DOORBELL_MARKS, doorbell_timeline, unaliased_copies
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot"]
 
@@ -232,7 +233,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     advance = _advancer(step, inputs)
     state = _back_to_back(advance, state, 1, 1 + warmup)[1]
     pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
-    ts, host = [], []
+    ts, host, timelines = [], [], []
+    with_timeline = copy_start == "doorbell" and mode == "sparda" and copy_impl in FFI_IMPLEMENTATIONS
     unaliased_copies(copy_impl, reset=True)  # whole-buffer copies XLA's buffer choices cost the copy calls
     for i in range(1 + warmup + steps, 1 + warmup + 2 * steps):
         t0 = time.perf_counter()
@@ -240,6 +242,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         host.append(time.perf_counter() - t0)  # the call returns once every launch is enqueued
         jax.block_until_ready(out[:2])
         ts.append(time.perf_counter() - t0)
+        if with_timeline:  # read outside the timed span
+            timelines.append(doorbell_timeline(cfg.num_layers - 1, copy_impl))
         _, state, st = out
         got.append(st)
     unaliased = unaliased_copies(copy_impl, reset=True)
@@ -277,11 +281,34 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         unaliased_calls_per_step=unaliased[0] / steps, unaliased_bytes_per_step=unaliased[1] / steps,
         miss_rate=copied / selected if selected else None,
         bytes_copied_per_step=copied * bb, bytes_copied_per_step_scaled=copied * bb * per_layer_copy_scale)
+    if timelines:
+        rec["doorbell_timeline"] = doorbell_summary(timelines)
     if overlap and mode in OFFLOAD_MODES:
         rec["overlap"] = _overlap(ctx, mode, context, batch, inputs, rec, steps=steps, warmup=warmup,
                                   copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group,
                                   copy_start=copy_start)
     return rec
+
+
+def doorbell_summary(timelines: list[dict]) -> dict:
+    """The doorbell steps' timelines (`copy_engine.doorbell_timeline`, one per synchronous step)
+    as per-job medians over the steps (us after the server began), and what they say per layer:
+    copy_us, the server's time on the job; start_lag_us, ring to the server taking it up;
+    window_us, ring to XLA's stream reaching the wait (the compute the copy may hide under);
+    slack_us, the copy's end to the wait's start (< 0: the wait found it unfinished); stall_us,
+    XLA's stream in the wait."""
+    with warnings.catch_warnings():  # a mark no step reached stays NaN
+        warnings.simplefilter("ignore", RuntimeWarning)
+        med = {m: np.nanmedian(np.stack([t[m] for t in timelines]), axis=0) for m in DOORBELL_MARKS}
+    d = {"copy_us": med["copy_end"] - med["copy_begin"], "start_lag_us": med["copy_begin"] - med["ring"],
+         "window_us": med["wait_begin"] - med["ring"], "slack_us": med["wait_begin"] - med["copy_end"],
+         "stall_us": med["wait_end"] - med["wait_begin"]}
+    num = lambda x: round(float(x), 2) if np.isfinite(x) else None  # a mark never reached: null, not NaN
+    out = {"steps": len(timelines), "jobs": int(len(med["ring"])),
+           "per_job_us": {k: [num(x) for x in v] for k, v in {**med, **d}.items()}}
+    out.update({f"median_{k}": num(np.nanmedian(v)) if np.isfinite(v).any() else None for k, v in d.items()})
+    out["stall_us_per_step"] = num(np.nansum(d["stall_us"]))
+    return out
 
 
 def _advancer(step, inputs):
@@ -818,6 +845,14 @@ def _overlap_line(x) -> str:
             f"step / max {o['ratio_to_max']:.2f} (target <= {o['target']}), step / sum {o['ratio_to_sum']:.2f}")
 
 
+def _timeline_line(x) -> str:
+    t = {k: (float("nan") if v is None else v) for k, v in x["doorbell_timeline"].items()}
+    return (f"doorbell timeline {x['variant']} ({t['steps']} steps, {t['jobs']} jobs, medians): copy "
+            f"{t['median_copy_us']:.0f} us, ring to copy {t['median_start_lag_us']:.0f} us, window "
+            f"{t['median_window_us']:.0f} us, slack {t['median_slack_us']:.0f} us, stall {t['median_stall_us']:.0f} us "
+            f"({t['stall_us_per_step']:.0f} us a step)")
+
+
 def _marginal_line(x) -> str:
     m = x["marginal"]
     s = (f"marginal {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} {x['variant']}: layers {m['layers'][0]} "
@@ -849,6 +884,7 @@ def table(r: dict) -> str:
         lines.append(_fmt_row({**x, "system": LABELS.get(x["mode"], x["mode"])}, cols))
     lines += claim_lines(r)
     lines += [_overlap_line(x) for x in rows if "overlap" in x]
+    lines += [_timeline_line(x) for x in rows if "doorbell_timeline" in x]
     lines += [_marginal_line(x) for x in rows if "per_layer_seconds" in x.get("marginal", {})]
     for t, bm in r.get("best_feasible", {}).items():
         lines.append(f"best feasible T={t}: " + ", ".join(f"{LABELS.get(m, m)} B={v['batch']} {v['tokens_per_s']:.1f} tok/s"

@@ -50,7 +50,7 @@ __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "g
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
            "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace",
-           "unaliased_copies", "COPY_THREADS", "COPY_GROUP", "doorbell_serve", "gather_blocks_ring",
+           "unaliased_copies", "doorbell_timeline", "DOORBELL_MARKS", "COPY_THREADS", "COPY_GROUP", "doorbell_serve", "gather_blocks_ring",
            "gather_blocks_ring_wait"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
@@ -432,6 +432,31 @@ def read_trace() -> list[tuple[str, float]]:
             raise RuntimeError(f"trace entry {i} could not be read")
         out.append((buf.value.decode(), float(ms.value)))
     return out
+
+
+DOORBELL_MARKS = ("ring", "copy_begin", "copy_end", "wait_begin", "wait_end")
+
+
+def doorbell_timeline(n_jobs: int, implementation: str | None = None) -> dict[str, np.ndarray]:
+    """Diagnostics: the last doorbell step's timeline, read after it finished. For each of its
+    jobs 0..n_jobs-1, in us after the server began: where XLA's stream ran the ring ("ring") and
+    reached the wait ("wait_begin") and left it ("wait_end"), and when the server took the job up
+    ("copy_begin", its first CTA) and finished it ("copy_end", its last). On the GPU these are
+    %globaltimer readings; the CPU twin's are its host clock (it copies inside the ring). NaN
+    where the step did not reach a mark, or where the mark is an earlier step's (it came before
+    this step's server)."""
+    implementation = _resolve(implementation)
+    if implementation not in FFI_IMPLEMENTATIONS:
+        raise ValueError(f"the doorbell timeline needs an FFI implementation {FFI_IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+    lib, name = ((_host_library(), "sparda_doorbell_timelineHost") if implementation == "host_ffi"
+                 else (_cuda_library(), "sparda_doorbell_timeline"))
+    out = np.zeros((n_jobs, len(DOORBELL_MARKS)), np.float64)
+    err = getattr(lib, name)(ctypes.c_int(n_jobs), out.ctypes.data_as(ctypes.POINTER(ctypes.c_double)))
+    if err != 0:
+        raise RuntimeError(f"{name} failed ({err}: -1 is no doorbell step served yet, or n_jobs outside 1..256)")
+    us = np.where(out > 0, out / 1e3, np.nan)
+    return {m: us[:, i] for i, m in enumerate(DOORBELL_MARKS)}
 
 
 def unaliased_copies(implementation: str | None = None, *, reset: bool = False) -> tuple[int, int]:

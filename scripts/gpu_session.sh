@@ -238,6 +238,16 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       timeout 200 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 160 \
         --out "$OUT/decode_doorbell32.json" 2>&1 | grep -E "^\| SparDA|rror|warning" ;;
+    doorbell-timeline)  # where the doorbell step's time goes on reuse (4 layers: the step with copies took
+                        # ~0.15 ms a layer more than compute alone + copies alone, decode_doorbell4_*.json):
+                        # each job's ring, copy and wait on the device clock (rec["doorbell_timeline"]), at
+                        # 4 layers, then at full depth with a budget that reaches the reuse row (~420 s)
+      timeout 130 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 100 \
+        --out "$OUT/decode_doorbell4_timeline.json" 2>&1 | grep -E "^\| SparDA|^doorbell timeline|rror"
+      timeout 280 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 250 \
+        --out "$OUT/decode_doorbell32_timeline.json" 2>&1 | grep -E "^\| SparDA|^doorbell timeline|rror|warning" ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
                     # engine's step, the step reading its positions input in every layer, and that with one

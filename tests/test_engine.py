@@ -230,6 +230,48 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode, copy_start):
 
 
 @needs_cxx
+def test_host_ffi_doorbell_timeline_orders_each_job(tmp_path):
+    """The doorbell's timeline (the GPU's %globaltimer marks, the twin's host clock): for each job
+    the ring, the copy and the wait in protocol order, one job after another in a step whose
+    rings follow the previous waits; and the decode benchmark's doorbell row carries it."""
+    from sparda_jax.bench.decode import bench_decode
+    from sparda_jax.kernels.copy_engine import (doorbell_serve, doorbell_timeline, gather_blocks_ring,
+                                                gather_blocks_ring_wait, reset_host_copies_in_flight)
+
+    reset_host_copies_in_flight()
+    pool = jax.random.normal(jax.random.key(1), (6, 4, 8))
+    cache = jax.random.normal(jax.random.key(2), (3, 4, 8))
+    src, dst = jnp.array([4, 1, 5], jnp.int32), jnp.array([0, 2, 1], jnp.int32)
+
+    def step(pool, cache):
+        s = doorbell_serve(src, n_jobs=3, implementation="host_ffi")
+        for j in range(3):
+            cache = gather_blocks_ring(pool, s, dst, cache, job=j, implementation="host_ffi")
+            cache = gather_blocks_ring_wait(cache, s, dst, s, job=j, implementation="host_ffi")
+            s = s + 0 * cache[0, 0, :1].astype(jnp.int32)  # the next ring after this wait
+        return cache
+
+    jax.jit(step)(pool, cache).block_until_ready()
+    t = doorbell_timeline(3, "host_ffi")
+    marks = np.stack([t[m] for m in ("ring", "copy_begin", "copy_end", "wait_begin", "wait_end")], 1)  # [job, mark]
+    assert np.isfinite(marks).all() and (marks > 0).all()
+    assert (np.diff(marks, axis=1) >= 0).all()  # ring <= copy <= copy end <= wait <= wait end
+    assert (marks[1:, 0] >= marks[:-1, 4]).all()  # each ring after the previous job's wait
+    with pytest.raises(RuntimeError, match="n_jobs outside"):
+        doorbell_timeline(0, "host_ffi")
+    with pytest.raises(ValueError, match="FFI implementation"):
+        doorbell_timeline(3, "xla")
+
+    r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparda",), layers=2, steps=2, warmup=1,
+                     reuse_fractions=(), copy_impl="host_ffi", copy_start="doorbell", with_ceilings=False,
+                     budget_s=None, out=tmp_path / "d.json", log=lambda s: None)
+    (row,) = [x for x in r["rows"] if x["status"] == "ok"]
+    tl = row["doorbell_timeline"]
+    assert tl["steps"] == 2 and tl["jobs"] == 1 and tl["median_copy_us"] >= 0 and tl["median_window_us"] > 0
+    assert len(tl["per_job_us"]["ring"]) == 1
+
+
+@needs_cxx
 def test_host_ffi_doorbell_refuses_a_step_that_rang_too_few_jobs():
     """The doorbell's server copies a step's jobs 0..n_jobs-1 in order; a step that rings fewer
     would leave the GPU's server waiting. The CPU twin says so at the next serve, and refuses a

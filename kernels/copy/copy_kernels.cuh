@@ -132,12 +132,25 @@ struct DoorbellJob {
   int64_t n_tasks, n_from, n_to;
 };
 
+// The step's timeline, in %globaltimer ns (diagnostics, read by sparda_doorbell_timeline after a
+// step): where XLA's stream reached each ring and wait, when the server took up and finished
+// each job. Overwritten by every step; a few timer reads a job.
+enum DoorbellMark { kRing = 0, kCopyBegin, kCopyEnd, kWaitBegin, kWaitEnd, kMarks };
+
 struct Doorbell {  // device memory, zeroed once
   DoorbellJob job[kMaxJobs];
   unsigned int rung[kMaxJobs];
   unsigned int done[kMaxJobs];
   unsigned int count[kMaxJobs];
+  unsigned long long served;  // the server's first CTA began
+  unsigned long long t[kMaxJobs][kMarks];
 };
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
 
 __device__ __forceinline__ unsigned int load_volatile(const unsigned int* a) {
   return *reinterpret_cast<const volatile unsigned int*>(a);
@@ -174,19 +187,27 @@ __global__ void doorbell_ring_kernel(Doorbell* bell, int job, KernelPayloads k, 
   j->n_tasks = n_tasks;
   j->n_from = n_from;
   j->n_to = n_to;
+  bell->t[job][kRing] = global_ns();
   __threadfence();
   atomicExch(&bell->rung[job], 1u);
 }
 
 __global__ void doorbell_wait_kernel(Doorbell* bell, int job, int* error) {
+  const unsigned long long t0 = global_ns();
   spin_until_set(&bell->done[job], error, job);
   bell->done[job] = 0;
+  bell->t[job][kWaitBegin] = t0;
+  bell->t[job][kWaitEnd] = global_ns();
   __threadfence();
 }
 
 __global__ void doorbell_server_kernel(Doorbell* bell, int n_jobs, int* error) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) bell->served = global_ns();
   for (int j = 0; j < n_jobs; ++j) {
-    if (threadIdx.x == 0) spin_until_set(&bell->rung[j], error, j);
+    if (threadIdx.x == 0) {
+      spin_until_set(&bell->rung[j], error, j);
+      if (blockIdx.x == 0) bell->t[j][kCopyBegin] = global_ns();  // CTA 0's view: when the job was taken up
+    }
     __syncthreads();  // with thread 0's fence: the job (and the tasks it names) visible to every thread
     // the descriptor through L2 (ld.cg), a habit for data another kernel wrote while this one
     // runs; the release/acquire chain above already orders it, and the task lists and pools
@@ -207,6 +228,7 @@ __global__ void doorbell_server_kernel(Doorbell* bell, int n_jobs, int* error) {
     __syncthreads();
     if (threadIdx.x == 0) {
       if (atomicAdd(&bell->count[j], 1u) == gridDim.x - 1) {  // the last CTA of this job
+        bell->t[j][kCopyEnd] = global_ns();
         bell->count[j] = 0;
         bell->rung[j] = 0;
         __threadfence();

@@ -598,6 +598,25 @@ extern "C" int sparda_doorbell_init() {
   return 0;
 }
 
+// Diagnostics: the last step's timeline (Doorbell::t) for jobs 0..n_jobs-1, as ns after the
+// server began, into out[n_jobs][kMarks] (0: not reached); after the step has finished (a
+// synchronous copy on the legacy stream). 0 on success, else a cudaError_t (-1: not initialised).
+extern "C" int sparda_doorbell_timeline(int n_jobs, double* out) {
+  DoorbellState* st = nullptr;
+  if (n_jobs < 1 || n_jobs > kMaxJobs || doorbell_of(&st).failure()) return -1;
+  unsigned long long served = 0;
+  std::vector<unsigned long long> t(static_cast<size_t>(n_jobs) * kMarks);
+  cudaError_t err = cudaMemcpy(&served, &st->bell->served, sizeof(served), cudaMemcpyDeviceToHost);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(t.data(), &st->bell->t[0][0], t.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
+  }
+  if (err != cudaSuccess) return static_cast<int>(err);
+  for (size_t i = 0; i < t.size(); ++i) {
+    out[i] = t[i] == 0 ? 0.0 : static_cast<double>(static_cast<long long>(t[i] - served));
+  }
+  return 0;
+}
+
 static ffi::Error DoorbellServeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Result<ffi::Buffer<ffi::S32>> out,
                                     int32_t n_jobs, int32_t num_ctas, int32_t threads) {
   if (n_jobs < 1 || n_jobs > kMaxJobs) return ffi::Error::InvalidArgument("n_jobs must be in 1..256");

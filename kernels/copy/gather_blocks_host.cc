@@ -10,6 +10,7 @@
 // copied or reused between the two would be read or written while the side stream still writes
 // it, so the CUDA handlers refuse it with the same messages as these.
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -206,6 +207,16 @@ namespace {
 int g_jobs_expected = 0, g_jobs_rung = 0;
 bool g_served = false;
 std::unordered_map<uintptr_t, int> g_ring_job;  // the job rung into each cache, until its wait
+// the GPU's timeline (Doorbell::t) on the host clock: serve, then per job ring, copy begin and
+// end (the twin copies inside its ring), wait begin and end
+constexpr int kMaxJobs = 256, kMarks = 5;
+long long g_served_ns = 0;
+long long g_t[kMaxJobs][kMarks] = {};
+
+long long now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 }  // namespace
 
 static ffi::Error DoorbellServeImpl(ffi::Buffer<ffi::S32> src, ffi::Result<ffi::Buffer<ffi::S32>> out,
@@ -223,6 +234,7 @@ static ffi::Error DoorbellServeImpl(ffi::Buffer<ffi::S32> src, ffi::Result<ffi::
   g_served = true;
   g_jobs_expected = n_jobs;
   g_jobs_rung = 0;
+  g_served_ns = now_ns();
   if (src.typed_data() != out->typed_data()) std::memcpy(out->typed_data(), src.typed_data(), src.size_bytes());
   return ffi::Error::Success();
 }
@@ -245,11 +257,13 @@ static ffi::Error DoorbellRingImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
                             std::to_string(g_jobs_rung) + " of " + std::to_string(g_jobs_expected));
     }
     g_jobs_rung += 1;
+    g_t[job][0] = g_t[job][1] = now_ns();
   }
   ffi::Error e = GatherStartImpl(src, dst, args, rets, 1, block_bytes, 0, 0, 256, 1);
   if (e.failure()) return e;
   auto first = rets.get<ffi::AnyBuffer>(0);
   std::lock_guard<std::mutex> lock(g_mu);
+  g_t[job][2] = now_ns();
   g_ring_job[reinterpret_cast<uintptr_t>((*first)->untyped_data())] = job;
   return ffi::Error::Success();
 }
@@ -272,8 +286,25 @@ static ffi::Error DoorbellWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
                             (it == g_ring_job.end() ? std::string("none") : std::to_string(it->second)));
     }
     g_ring_job.erase(it);
+    g_t[job][3] = now_ns();
   }
-  return GatherWaitImpl(src, dst, after, args, rets);
+  ffi::Error e = GatherWaitImpl(src, dst, after, args, rets);
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_t[job][4] = now_ns();
+  return e;
+}
+
+// The last step's timeline as sparda_doorbell_timeline's (ns after the serve; 0: not reached).
+extern "C" int sparda_doorbell_timelineHost(int n_jobs, double* out) {
+  if (n_jobs < 1 || n_jobs > kMaxJobs) return -1;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_served_ns == 0) return -1;
+  for (int j = 0; j < n_jobs; ++j) {
+    for (int m = 0; m < kMarks; ++m) {
+      out[j * kMarks + m] = g_t[j][m] == 0 ? 0.0 : static_cast<double>(g_t[j][m] - g_served_ns);
+    }
+  }
+  return 0;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaDoorbellWaitHost, DoorbellWaitImpl, wait_binding().Attr<int32_t>("job"));

@@ -85,11 +85,7 @@ __global__ void persistent_kernel(const uint4* __restrict__ a, int64_t n_tiles, 
 // One warp spinning for `ns` nanoseconds of the GPU's global timer (not SM clocks, which vary
 // with the boost state): two spins on two streams take one spin's time if the GPU runs kernels of
 // different streams together, two spins' if it does not. Also the gate before each case.
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
+// (global_ns: copy_kernels.cuh)
 
 __global__ void spin_kernel(long long ns, unsigned int* sink) {
   const unsigned long long t0 = global_ns();

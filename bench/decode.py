@@ -58,7 +58,7 @@ from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDEN
                                      _wait_blocks, decode_plan, engine_decode_step, selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
-from sparda_jax.kernels.copy_engine import DOORBELL_MARKS, doorbell_timeline, unaliased_copies
+from sparda_jax.kernels.copy_engine import DOORBELL_MARKS, doorbell_timeline, resolve_implementation, unaliased_copies
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot"]
 
@@ -234,7 +234,9 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     state = _back_to_back(advance, state, 1, 1 + warmup)[1]
     pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
     ts, host, timelines = [], [], []
-    with_timeline = copy_start == "doorbell" and mode == "sparda" and copy_impl in FFI_IMPLEMENTATIONS
+    # the engine resolves copy_impl None the same way (decode_plan): "cuda" on a GPU
+    with_timeline = (copy_start == "doorbell" and mode == "sparda"
+                     and resolve_implementation(copy_impl) in FFI_IMPLEMENTATIONS)
     unaliased_copies(copy_impl, reset=True)  # whole-buffer copies XLA's buffer choices cost the copy calls
     for i in range(1 + warmup + steps, 1 + warmup + 2 * steps):
         t0 = time.perf_counter()
@@ -292,22 +294,29 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
 
 def doorbell_summary(timelines: list[dict]) -> dict:
     """The doorbell steps' timelines (`copy_engine.doorbell_timeline`, one per synchronous step)
-    as per-job medians over the steps (us after the server began), and what they say per layer:
-    copy_us, the server's time on the job; start_lag_us, ring to the server taking it up;
-    window_us, ring to XLA's stream reaching the wait (the compute the copy may hide under);
-    slack_us, the copy's end to the wait's start (< 0: the wait found it unfinished); stall_us,
-    XLA's stream in the wait."""
-    with warnings.catch_warnings():  # a mark no step reached stays NaN
-        warnings.simplefilter("ignore", RuntimeWarning)
-        med = {m: np.nanmedian(np.stack([t[m] for t in timelines]), axis=0) for m in DOORBELL_MARKS}
-    d = {"copy_us": med["copy_end"] - med["copy_begin"], "start_lag_us": med["copy_begin"] - med["ring"],
-         "window_us": med["wait_begin"] - med["ring"], "slack_us": med["wait_begin"] - med["copy_end"],
-         "stall_us": med["wait_end"] - med["wait_begin"]}
+    as per-job medians over the steps (us after the server began), and what they say per layer,
+    each a median over the steps of that step's difference: copy_us, the server's time on the
+    job; start_lag_us, ring to the server taking it up; window_us, ring to XLA's stream reaching
+    the wait (the compute the copy may hide under); slack_us, the copy's end to the wait's start
+    (< 0: the wait found it unfinished); stall_us, XLA's stream in the wait."""
+    st = {m: np.stack([t[m] for t in timelines]) for m in DOORBELL_MARKS}  # [steps, jobs]
+    diffs = {"copy_us": st["copy_end"] - st["copy_begin"], "start_lag_us": st["copy_begin"] - st["ring"],
+             "window_us": st["wait_begin"] - st["ring"], "slack_us": st["wait_begin"] - st["copy_end"],
+             "stall_us": st["wait_end"] - st["wait_begin"]}
+
+    def med(a, axis=None):
+        with warnings.catch_warnings():  # a mark no step reached stays NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmedian(a, axis=axis)
+
     num = lambda x: round(float(x), 2) if np.isfinite(x) else None  # a mark never reached: null, not NaN
-    out = {"steps": len(timelines), "jobs": int(len(med["ring"])),
-           "per_job_us": {k: [num(x) for x in v] for k, v in {**med, **d}.items()}}
-    out.update({f"median_{k}": num(np.nanmedian(v)) if np.isfinite(v).any() else None for k, v in d.items()})
-    out["stall_us_per_step"] = num(np.nansum(d["stall_us"]))
+    stall = diffs["stall_us"]
+    out = {"steps": len(timelines), "jobs": int(st["ring"].shape[1]),
+           "per_job_us": {k: [num(x) for x in med(v, axis=0)] for k, v in {**st, **diffs}.items()}}
+    out.update({f"median_{k}": num(med(v)) for k, v in diffs.items()})
+    # XLA's stream in waits, a step: summed over the jobs, the median over the steps
+    out["stall_us_per_step"] = (num(med(np.nansum(stall, axis=1)[np.isfinite(stall).any(axis=1)]))
+                                if np.isfinite(stall).any() else None)
     return out
 
 

@@ -45,7 +45,7 @@ from sparda_jax.runtime import warn_if_default_launch_queues
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, doorbell_serve,
                                             gather_blocks, gather_blocks_ring, gather_blocks_ring_wait,
                                             gather_blocks_start, gather_blocks_wait, lane_ctas, paper_num_ctas,
-                                            scatter_blocks)
+                                            resolve_implementation, scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -612,8 +612,7 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
     state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
     batch = int(cache[0]["k"].shape[0])
-    if copy_impl is None:
-        copy_impl = "cuda" if jax.default_backend() == "gpu" else "xla"
+    copy_impl = resolve_implementation(copy_impl)
     if copy_impl == "cuda":
         warn_if_default_launch_queues(config.num_layers)
     if num_ctas is None:

@@ -50,8 +50,8 @@ __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "g
            "scatter_blocks_reference", "build_library", "build_host_library", "host_copies_in_flight",
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
            "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace",
-           "unaliased_copies", "doorbell_timeline", "DOORBELL_MARKS", "COPY_THREADS", "COPY_GROUP", "doorbell_serve", "gather_blocks_ring",
-           "gather_blocks_ring_wait"]
+           "unaliased_copies", "doorbell_timeline", "resolve_implementation", "DOORBELL_MARKS", "COPY_THREADS",
+           "COPY_GROUP", "doorbell_serve", "gather_blocks_ring", "gather_blocks_ring_wait"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -295,7 +295,9 @@ def _on_host(x) -> bool:
 FFI_IMPLEMENTATIONS = ("cuda", "host_ffi")
 
 
-def _resolve(implementation):
+def resolve_implementation(implementation: str | None) -> str:
+    """The copy implementation a call with `implementation` runs: None is "cuda" on a GPU, "xla"
+    elsewhere; refuses unknown names and the CPU twin off the CPU backend."""
     if implementation is None:
         implementation = "cuda" if jax.default_backend() == "gpu" else "xla"
     if implementation not in ("cuda", "host_ffi", "xla"):
@@ -349,7 +351,7 @@ def gather_blocks(pool, src, dst, cache, *, num_ctas: int = 16, threads: int = C
     cache before it and again after (copy insertion does not see through the bitcast).
     in_graph: the call's variant that XLA may record into its command buffers (CUDA graphs)
     instead of cutting its graph there; the same copy (not yet timed on the GPU)."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
@@ -369,7 +371,7 @@ def gather_blocks_start(pool, src, dst, cache, *, num_ctas: int = 16, resident: 
     stream; copies on one lane run in order, on different lanes side by side. The engine starts
     each payload as its own copy on its own lane: a start of several payloads (one launch) lost
     its buffer between start and wait inside the engine's jit on the H200."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
@@ -386,7 +388,7 @@ def gather_blocks_dma_start(pool, src, dst, cache, *, lane: int = 0, block_ndim:
     (cudaMemcpyBatchAsync, one copy per block and payload; no SM is used). Its task lists must be
     on the host first, so the start waits for XLA's stream to produce them (a host-side sync).
     Completed by `gather_blocks_wait`."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
@@ -400,7 +402,7 @@ def mark(x, mark_id: int, *, implementation: str | None = None):
     """Diagnostics: x itself, with a point on XLA's stream after whatever produced x. With
     `trace(True)` on the GPU, "mark<id>" joins the timeline of the asynchronous starts' copies
     (`read_trace`); otherwise nothing is recorded. The reference is the identity."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return x
     _register(implementation)
@@ -441,11 +443,11 @@ def doorbell_timeline(n_jobs: int, implementation: str | None = None) -> dict[st
     """Diagnostics: the last doorbell step's timeline, read after it finished. For each of its
     jobs 0..n_jobs-1, in us after the server began: where XLA's stream ran the ring ("ring") and
     reached the wait ("wait_begin") and left it ("wait_end"), and when the server took the job up
-    ("copy_begin", its first CTA) and finished it ("copy_end", its last). On the GPU these are
-    %globaltimer readings; the CPU twin's are its host clock (it copies inside the ring). NaN
-    where the step did not reach a mark, or where the mark is an earlier step's (it came before
-    this step's server)."""
-    implementation = _resolve(implementation)
+    ("copy_begin", as its CTA 0 saw it) and finished it ("copy_end", its last CTA). On the GPU
+    these are %globaltimer readings (ticks of ~1 us unless a profiler refines them); the CPU
+    twin's are its host clock (it copies inside the ring). A ring may precede the server (< 0).
+    NaN for jobs beyond the last step's count and marks never written."""
+    implementation = resolve_implementation(implementation)
     if implementation not in FFI_IMPLEMENTATIONS:
         raise ValueError(f"the doorbell timeline needs an FFI implementation {FFI_IMPLEMENTATIONS}, "
                          f"got {implementation!r}")
@@ -455,8 +457,7 @@ def doorbell_timeline(n_jobs: int, implementation: str | None = None) -> dict[st
     err = getattr(lib, name)(ctypes.c_int(n_jobs), out.ctypes.data_as(ctypes.POINTER(ctypes.c_double)))
     if err != 0:
         raise RuntimeError(f"{name} failed ({err}: -1 is no doorbell step served yet, or n_jobs outside 1..256)")
-    us = np.where(out > 0, out / 1e3, np.nan)
-    return {m: us[:, i] for i, m in enumerate(DOORBELL_MARKS)}
+    return {m: out[:, i] / 1e3 for i, m in enumerate(DOORBELL_MARKS)}
 
 
 def unaliased_copies(implementation: str | None = None, *, reset: bool = False) -> tuple[int, int]:
@@ -464,7 +465,7 @@ def unaliased_copies(implementation: str | None = None, *, reset: bool = False) 
     apart from its aliased input, so that the handler first copied the whole cache or pool on
     XLA's stream, since the process started or the last reset. Expected (0, 0): every call
     updates its buffers in place. "xla" has no handlers: (0, 0)."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return 0, 0
     lib, suffix = (_host_library(), "Host") if implementation == "host_ffi" else (_cuda_library(), "")
@@ -484,7 +485,7 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
 
 def _wait_call(target: str, cache, src, dst, after, implementation, **attrs):
     """One wait custom call (src, dst, after, *caches) -> caches, each aliased to its result."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return cache
     _register(implementation)
@@ -503,7 +504,7 @@ def doorbell_serve(src, *, n_jobs: int, num_ctas: int = 16, threads: int = COPY_
     server is then launched before any wait spins. A step that rings fewer jobs leaves the server
     waiting: the GPU's watchdog stops the context after ~10 s; the CPU twin
     raises at the next serve."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return src
     if not 1 <= n_jobs <= 256:
@@ -521,7 +522,7 @@ def gather_blocks_ring(pool, src, dst, cache, *, job: int, block_ndim: int | Non
     of caches) being written, which nothing may read before `gather_blocks_ring_wait`. A kernel
     of one thread on XLA's stream, which XLA may record into its CUDA graphs: unlike
     `gather_blocks_start`, it does not cut them."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, src, dst, block_ndim)
@@ -562,7 +563,7 @@ def scatter_blocks(cache, src, dst, pool, *, num_ctas: int = 16, threads: int = 
     -> the tuple of pools. "cuda" writes only those blocks, over UVA, into the pool's own memory
     (it is aliased to the output); the reference moves the whole pool to the device and back.
     in_graph: as `gather_blocks`'."""
-    implementation = _resolve(implementation)
+    implementation = resolve_implementation(implementation)
     if implementation == "xla":
         return scatter_blocks_reference(cache, src, dst, pool, block_ndim=block_ndim)
     pools, caches, one = _payloads(pool, cache, dst, src, block_ndim)

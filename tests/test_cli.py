@@ -120,6 +120,7 @@ def test_doorbell_copies_have_cuda_load_kernels_eagerly(monkeypatch):
     from sparda_jax import runtime
 
     monkeypatch.delenv(runtime.MODULE_LOADING, raising=False)
+    monkeypatch.setattr(runtime, "_gpu_started", lambda: False)  # as in a fresh process (a GPU run's conftest starts JAX)
     assert runtime.lazy_module_loading()
     import sparda_jax.cli as cli
 

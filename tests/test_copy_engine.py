@@ -268,6 +268,18 @@ def test_cuda_doorbell_jobs_equal_reference():
         for got, w in zip(f(hosts, srcs, dst, caches), want):
             for g, w_ in zip(got, w):
                 np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+    # the last step's device timeline: each job rung, taken up, finished and waited for in protocol
+    # order (a wait may start spinning before its copy ends), jobs one after another
+    from sparda_jax.kernels.copy_engine import doorbell_timeline
+
+    t = doorbell_timeline(3, "cuda")
+    assert all(np.isfinite(v).all() for v in t.values()), t
+    tick = 2.0  # us: %globaltimer's ~1 us ticks, read on different SMs
+    for a, b in (("ring", "copy_begin"), ("copy_begin", "copy_end"), ("copy_end", "wait_end"),
+                 ("wait_begin", "wait_end")):
+        assert (t[a] <= t[b] + tick).all(), (a, b, t)
+    assert (t["copy_begin"][1:] + tick >= t["copy_end"][:-1]).all()
+    assert np.isnan(doorbell_timeline(5, "cuda")["ring"][3:]).all()  # beyond the step's 3 jobs
 
 
 @pytest.mark.gpu

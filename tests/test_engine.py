@@ -257,6 +257,7 @@ def test_host_ffi_doorbell_timeline_orders_each_job(tmp_path):
     assert np.isfinite(marks).all() and (marks > 0).all()
     assert (np.diff(marks, axis=1) >= 0).all()  # ring <= copy <= copy end <= wait <= wait end
     assert (marks[1:, 0] >= marks[:-1, 4]).all()  # each ring after the previous job's wait
+    assert np.isnan(doorbell_timeline(4, "host_ffi")["ring"][3])  # beyond the step's 3 jobs
     with pytest.raises(RuntimeError, match="n_jobs outside"):
         doorbell_timeline(0, "host_ffi")
     with pytest.raises(ValueError, match="FFI implementation"):
@@ -269,6 +270,21 @@ def test_host_ffi_doorbell_timeline_orders_each_job(tmp_path):
     tl = row["doorbell_timeline"]
     assert tl["steps"] == 2 and tl["jobs"] == 1 and tl["median_copy_us"] >= 0 and tl["median_window_us"] > 0
     assert len(tl["per_job_us"]["ring"]) == 1
+
+
+@pytest.mark.gpu
+def test_cuda_decode_bench_doorbell_rows_carry_the_timeline(tmp_path):
+    """Through the benchmark's default copy implementation (what the CLI runs): "cuda" on the GPU,
+    so the doorbell row records the device timeline. Run with CUDA_MODULE_LOADING=EAGER (stage
+    doorbell), as the CLI sets it."""
+    from sparda_jax.bench.decode import bench_decode
+
+    r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparda",), layers=3, steps=3, warmup=1,
+                     reuse_fractions=(), copy_start="doorbell", with_ceilings=False, budget_s=None,
+                     out=tmp_path / "d.json", log=lambda s: None)
+    (row,) = [x for x in r["rows"] if x["status"] == "ok"]
+    tl = row["doorbell_timeline"]
+    assert tl["steps"] == 3 and tl["jobs"] == 2 and tl["median_copy_us"] is not None and tl["median_copy_us"] >= 0
 
 
 @needs_cxx

@@ -142,7 +142,8 @@ struct Doorbell {  // device memory, zeroed once
   unsigned int rung[kMaxJobs];
   unsigned int done[kMaxJobs];
   unsigned int count[kMaxJobs];
-  unsigned long long served;  // the server's first CTA began
+  unsigned long long served;  // when the step's server (its CTA 0) began
+  int served_jobs;            // and that step's job count: the marks of jobs beyond it are stale
   unsigned long long t[kMaxJobs][kMarks];
 };
 
@@ -202,7 +203,10 @@ __global__ void doorbell_wait_kernel(Doorbell* bell, int job, int* error) {
 }
 
 __global__ void doorbell_server_kernel(Doorbell* bell, int n_jobs, int* error) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) bell->served = global_ns();
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    bell->served = global_ns();
+    bell->served_jobs = n_jobs;
+  }
   for (int j = 0; j < n_jobs; ++j) {
     if (threadIdx.x == 0) {
       spin_until_set(&bell->rung[j], error, j);

@@ -32,6 +32,7 @@
 //   scatter: from = caches, to = pools
 
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <mutex>
@@ -598,21 +599,32 @@ extern "C" int sparda_doorbell_init() {
   return 0;
 }
 
-// Diagnostics: the last step's timeline (Doorbell::t) for jobs 0..n_jobs-1, as ns after the
-// server began, into out[n_jobs][kMarks] (0: not reached); after the step has finished (a
-// synchronous copy on the legacy stream). 0 on success, else a cudaError_t (-1: not initialised).
+// Diagnostics: the last step's timeline (Doorbell::t) for jobs 0..n_jobs-1 into
+// out[n_jobs][kMarks], as signed ns after that step's server began (a ring may come before it);
+// NaN for a job beyond the step's count or a mark not written. Read after the step has finished:
+// a synchronous copy on the legacy stream, which waits on none of the (non-blocking) streams.
+// 0 on success, -1 before any step (or n_jobs outside 1..kMaxJobs), else a cudaError_t.
 extern "C" int sparda_doorbell_timeline(int n_jobs, double* out) {
   DoorbellState* st = nullptr;
   if (n_jobs < 1 || n_jobs > kMaxJobs || doorbell_of(&st).failure()) return -1;
   unsigned long long served = 0;
+  int served_jobs = 0;
   std::vector<unsigned long long> t(static_cast<size_t>(n_jobs) * kMarks);
   cudaError_t err = cudaMemcpy(&served, &st->bell->served, sizeof(served), cudaMemcpyDeviceToHost);
+  if (err == cudaSuccess) {
+    err = cudaMemcpy(&served_jobs, &st->bell->served_jobs, sizeof(served_jobs), cudaMemcpyDeviceToHost);
+  }
   if (err == cudaSuccess) {
     err = cudaMemcpy(t.data(), &st->bell->t[0][0], t.size() * sizeof(unsigned long long), cudaMemcpyDeviceToHost);
   }
   if (err != cudaSuccess) return static_cast<int>(err);
-  for (size_t i = 0; i < t.size(); ++i) {
-    out[i] = t[i] == 0 ? 0.0 : static_cast<double>(static_cast<long long>(t[i] - served));
+  if (served == 0) return -1;
+  for (int j = 0; j < n_jobs; ++j) {
+    for (int m = 0; m < kMarks; ++m) {
+      const unsigned long long v = t[static_cast<size_t>(j) * kMarks + m];
+      out[j * kMarks + m] = (j >= served_jobs || v == 0) ? std::nan("")
+                                                         : static_cast<double>(static_cast<long long>(v - served));
+    }
   }
   return 0;
 }

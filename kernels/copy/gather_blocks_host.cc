@@ -11,6 +11,7 @@
 // it, so the CUDA handlers refuse it with the same messages as these.
 
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <mutex>
@@ -209,7 +210,7 @@ bool g_served = false;
 std::unordered_map<uintptr_t, int> g_ring_job;  // the job rung into each cache, until its wait
 // the GPU's timeline (Doorbell::t) on the host clock: serve, then per job ring, copy begin and
 // end (the twin copies inside its ring), wait begin and end
-constexpr int kMaxJobs = 256, kMarks = 5;
+constexpr int kMaxJobs = 256, kMarks = 5;  // copy_kernels.cuh's (a CUDA header this file cannot include)
 long long g_served_ns = 0;
 long long g_t[kMaxJobs][kMarks] = {};
 
@@ -294,14 +295,16 @@ static ffi::Error DoorbellWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
   return e;
 }
 
-// The last step's timeline as sparda_doorbell_timeline's (ns after the serve; 0: not reached).
+// The last step's timeline as sparda_doorbell_timeline's (ns after the serve; NaN beyond the
+// step's jobs or where a mark was not written).
 extern "C" int sparda_doorbell_timelineHost(int n_jobs, double* out) {
   if (n_jobs < 1 || n_jobs > kMaxJobs) return -1;
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_served_ns == 0) return -1;
   for (int j = 0; j < n_jobs; ++j) {
     for (int m = 0; m < kMarks; ++m) {
-      out[j * kMarks + m] = g_t[j][m] == 0 ? 0.0 : static_cast<double>(g_t[j][m] - g_served_ns);
+      out[j * kMarks + m] = (j >= g_jobs_expected || g_t[j][m] == 0) ? std::nan("")
+                                                                     : static_cast<double>(g_t[j][m] - g_served_ns);
     }
   }
   return 0;

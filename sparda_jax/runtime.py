@@ -67,28 +67,28 @@ def set_launch_queues(scale: str = "4x", *, override: bool = False) -> str:
     variable is set and does nothing.)"""
     if scale not in LAUNCH_QUEUE_SCALES:
         raise ValueError(f"launch-queue scale must be one of {LAUNCH_QUEUE_SCALES}, got {scale!r}")
-    current = os.environ.get(LAUNCH_QUEUES)
-    if current is not None and not override:
-        return current
-    if current != scale and _gpu_started():
-        raise RuntimeError(f"{LAUNCH_QUEUES} must be set before JAX first uses the GPU (CUDA reads it when it "
-                           f"starts): call set_launch_queues() first, or export {LAUNCH_QUEUES}={scale}")
-    os.environ[LAUNCH_QUEUES] = scale
-    return scale
+    return _set_before_cuda(LAUNCH_QUEUES, scale, override=override, setter="set_launch_queues")
 
 
 def set_eager_module_loading() -> str:
     """Have CUDA load every kernel of a module when the module loads (CUDA_MODULE_LOADING=EAGER),
     before JAX's first GPU use. A value already in the environment wins. Returns the value in
     effect. Raises RuntimeError when JAX already runs on a GPU and the value would change."""
-    current = os.environ.get(MODULE_LOADING)
-    if current is not None:
+    return _set_before_cuda(MODULE_LOADING, "EAGER", setter="set_eager_module_loading")
+
+
+def _set_before_cuda(name: str, value: str, *, override: bool = False, setter: str) -> str:
+    """Set a variable CUDA reads once, when it starts: a value already in the environment wins
+    unless `override`; refused (RuntimeError) once JAX runs on a GPU and the value would change,
+    since CUDA would silently ignore it."""
+    current = os.environ.get(name)
+    if current is not None and not override:
         return current
-    if _gpu_started():
-        raise RuntimeError(f"{MODULE_LOADING} must be set before JAX first uses the GPU (CUDA reads it when it "
-                           f"starts): call set_eager_module_loading() first, or export {MODULE_LOADING}=EAGER")
-    os.environ[MODULE_LOADING] = "EAGER"
-    return "EAGER"
+    if current != value and _gpu_started():
+        raise RuntimeError(f"{name} must be set before JAX first uses the GPU (CUDA reads it when it "
+                           f"starts): call {setter}() first, or export {name}={value}")
+    os.environ[name] = value
+    return value
 
 
 def lazy_module_loading() -> bool:

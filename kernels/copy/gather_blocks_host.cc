@@ -210,7 +210,9 @@ bool g_served = false;
 std::unordered_map<uintptr_t, int> g_ring_job;  // the job rung into each cache, until its wait
 // the GPU's timeline (Doorbell::t) on the host clock: serve, then per job ring, copy begin and
 // end (the twin copies inside its ring), wait begin and end
-constexpr int kMaxJobs = 256, kMarks = 5;  // copy_kernels.cuh's (a CUDA header this file cannot include)
+// copy_kernels.cuh's limits and marks (a CUDA header this file cannot include)
+constexpr int kMaxJobs = 256;
+enum DoorbellMark { kRing = 0, kCopyBegin, kCopyEnd, kWaitBegin, kWaitEnd, kMarks };
 long long g_served_ns = 0;
 long long g_t[kMaxJobs][kMarks] = {};
 
@@ -258,13 +260,13 @@ static ffi::Error DoorbellRingImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
                             std::to_string(g_jobs_rung) + " of " + std::to_string(g_jobs_expected));
     }
     g_jobs_rung += 1;
-    g_t[job][0] = g_t[job][1] = now_ns();
+    g_t[job][kRing] = g_t[job][kCopyBegin] = now_ns();
   }
   ffi::Error e = GatherStartImpl(src, dst, args, rets, 1, block_bytes, 0, 0, 256, 1);
   if (e.failure()) return e;
   auto first = rets.get<ffi::AnyBuffer>(0);
   std::lock_guard<std::mutex> lock(g_mu);
-  g_t[job][2] = now_ns();
+  g_t[job][kCopyEnd] = now_ns();
   g_ring_job[reinterpret_cast<uintptr_t>((*first)->untyped_data())] = job;
   return ffi::Error::Success();
 }
@@ -287,11 +289,11 @@ static ffi::Error DoorbellWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S
                             (it == g_ring_job.end() ? std::string("none") : std::to_string(it->second)));
     }
     g_ring_job.erase(it);
-    g_t[job][3] = now_ns();
+    g_t[job][kWaitBegin] = now_ns();
   }
   ffi::Error e = GatherWaitImpl(src, dst, after, args, rets);
   std::lock_guard<std::mutex> lock(g_mu);
-  g_t[job][4] = now_ns();
+  g_t[job][kWaitEnd] = now_ns();
   return e;
 }
 

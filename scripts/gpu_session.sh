@@ -218,18 +218,20 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 200 python3 -m sparda_jax.cli \
         bench decode $A --modes sparda --budget-s 150 --out "$OUT/decode_variance_skiptemp.json" 2>&1 \
         | grep -E "^\| (Sparse|SparDA)|warning|rror" ;;
-    doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's
-               # graphs): their GPU tests, then SparDA at 4 layers, batch 8, 128K, lanes and doorbell with compute
-               # alone and copies alone, then the doorbell at full depth (~420 s)
-      # the copy engine's test with CUDA's lazy loading (the doorbell init preloads its kernels: at
-      # 329d606, without that, a ring loaded beside the server deadlocked), the engine's eager (its
-      # step's GEMMs would be loaded beside the server: runtime.set_eager_module_loading)
+    tests-doorbell)  # the doorbell's GPU tests alone (~70 s): the copy engine's with CUDA's lazy loading (the
+                     # doorbell init preloads its kernels: at 329d606, without that, a ring loaded beside the
+                     # server deadlocked), the engine's eager (its step's GEMMs would be loaded beside the
+                     # server: runtime.set_eager_module_loading); timeline asserts in both
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 120 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
         tests/test_copy_engine.py -k "doorbell" 2>&1 | grep -vE "^(E[0-9]{4}|===|external/)" > "$OUT/gpu_tests_doorbell.log"
       CUDA_MODULE_LOADING=EAGER JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 python3 -m pytest -m gpu -q -rf \
         -p no:cacheprovider tests/test_engine.py -k "doorbell" 2>&1 | grep -vE "^(E[0-9]{4}|===|external/)" \
         >> "$OUT/gpu_tests_doorbell.log"
-      grep -E "passed|failed|error" "$OUT/gpu_tests_doorbell.log"
+      grep -E "passed|failed|error" "$OUT/gpu_tests_doorbell.log" ;;
+    doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's
+               # graphs): their GPU tests, then SparDA at 4 layers, batch 8, 128K, lanes and doorbell with compute
+               # alone and copies alone, then the doorbell at full depth (~420 s)
+      bash "$0" tests-doorbell
       for S in lanes doorbell; do
         timeout 120 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \
           --modes sparda --reuse-fractions 0.88 --overlap --copy-start $S --budget-s 90 \
@@ -240,11 +242,13 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
         --out "$OUT/decode_doorbell32.json" 2>&1 | grep -E "^\| SparDA|rror|warning" ;;
     doorbell-timeline)  # where the doorbell step's time goes on reuse (4 layers: the step with copies took
                         # ~0.15 ms a layer more than compute alone + copies alone, decode_doorbell4_*.json):
-                        # each job's ring, copy and wait on the device clock (rec["doorbell_timeline"]), at
-                        # 4 layers, then at full depth with a budget that reaches the reuse row (~420 s)
-      timeout 130 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \
-        --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 100 \
-        --out "$OUT/decode_doorbell4_timeline.json" 2>&1 | grep -E "^\| SparDA|^doorbell timeline|rror"
+                        # its GPU tests, then each job's ring, copy and wait on the device clock (rec["doorbell_timeline"]),
+                        # at 4 layers with the overlap's timings, then at full depth with a budget that reaches
+                        # the reuse row (~520 s)
+      bash "$0" tests-doorbell
+      timeout 150 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 110 \
+        --out "$OUT/decode_doorbell4_timeline.json" 2>&1 | grep -E "^\| SparDA|^doorbell timeline|^overlap|rror"
       timeout 280 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 250 \
         --out "$OUT/decode_doorbell32_timeline.json" 2>&1 | grep -E "^\| SparDA|^doorbell timeline|rror|warning" ;;

@@ -252,6 +252,23 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       timeout 280 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --copy-start doorbell --budget-s 250 \
         --out "$OUT/decode_doorbell32_timeline.json" 2>&1 | grep -E "^\| SparDA|^doorbell timeline|rror|warning" ;;
+    update-modes)  # is SparDA's full-depth reuse step bound by XLA re-recording its graph? The doorbell timeline
+                   # (decode_doorbell32_timeline.json, 85629b2) put layer 1's ring 10.4 ms into a synchronous
+                   # step, then 265 us a layer; host 15.3 ms against ~9 ms of device work. XLA's update modes
+                   # that give the graph's buffers stable addresses (VMM allocator, forced by the flag):
+                   # SKIP_PROFILED (profiled temporaries, parameters, outputs), SKIP_TEMP (temporaries);
+                   # XLA's command-buffer log counted per run (~420 s)
+      A="--lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell"
+      for M in SKIP_PROFILED SKIP_TEMP; do
+        XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=$M" TF_CPP_MIN_LOG_LEVEL=0 \
+        TF_CPP_VMODULE=command_buffer_thunk=3 timeout 240 python3 -m sparda_jax.cli bench decode $A --budget-s 200 \
+          --out "$OUT/decode_update_$M.json" 2> "$OUT/update_$M.log" | grep -E "^\| SparDA|^doorbell timeline"
+        echo "$M: $(grep -c 'needs_update=true' "$OUT/update_$M.log") graph updates, $(grep -c 'Execute command buffer' \
+          "$OUT/update_$M.log") executions; $(grep -ciE 'error|warning' "$OUT/update_$M.log") error/warning lines"
+        grep -iE "error|warning|VA remap|profil" "$OUT/update_$M.log" | sed -E 's/^[IWEF][0-9]{4} [0-9:.]+ +[0-9]+ //' \
+          | cut -c1-220 | sort | uniq -c | sort -rn | head -8
+        gzip -f "$OUT/update_$M.log"
+      done ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the
                     # engine's step, the step reading its positions input in every layer, and that with one

@@ -307,7 +307,10 @@ int main(int argc, char** argv) {
 
   // pools: 512 MiB each of pinned host memory; 1920 tasks a layer (60 MiB of K and V: random traffic
   // at batch 16 and 128K, bench/results/decode_overlap.json)
-  s.n_pool = (512ll << 20) / kBlockBytes;
+  // OVERLAP_PROBE_POOL_MIB: a pool as large as the engine's (33 GB at batch 8, 128K) spreads the
+  // random blocks over as many host pages as the engine's gather touches
+  const char* pool_mib = std::getenv("OVERLAP_PROBE_POOL_MIB");
+  s.n_pool = ((pool_mib ? std::atoll(pool_mib) : 512ll) << 20) / kBlockBytes;
   s.n_tasks = 1920;
   void *kp = nullptr, *vp = nullptr, *kc = nullptr, *vc = nullptr;
   CK(cudaHostAlloc(&kp, s.n_pool * kBlockBytes, cudaHostAllocMapped | cudaHostAllocPortable));
@@ -374,10 +377,11 @@ int main(int argc, char** argv) {
   std::printf("{\"header\": true, \"sms\": %d, \"device\": \"%s\", \"driver\": %d, \"runtime\": %d, "
               "\"smem_per_sm\": %zu, \"smem_per_block_optin\": %zu, \"smem_reserved_per_block\": %zu, "
               "\"cublas_version\": %d, \"cublas_sm_target\": %s, \"mib_per_copy\": %.1f, "
-              "\"CUDA_DEVICE_MAX_CONNECTIONS\": \"%s\"}\n",
+              "\"CUDA_DEVICE_MAX_CONNECTIONS\": \"%s\", \"pool_mib\": %lld}\n",
               s.sms, prop.name, driver, runtime, prop.sharedMemPerMultiprocessor, prop.sharedMemPerBlockOptin,
               prop.reservedSharedMemPerBlock, s.cublas.version, s.cublas.targeted ? "true" : "false",
-              2.0 * s.n_tasks * kBlockBytes / (1 << 20), conn ? conn : "");
+              2.0 * s.n_tasks * kBlockBytes / (1 << 20), conn ? conn : "",
+              static_cast<long long>(s.n_pool * kBlockBytes >> 20));
   std::fflush(stdout);
   auto emit = [&](const char* what, Work w, int copies, int ctas, bool copy_first) {
     const Times t = run_case(s, w, copies, ctas, copy_first);

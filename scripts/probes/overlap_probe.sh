@@ -14,12 +14,18 @@ site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 cublas=$(find "$site" /usr/local/cuda*/lib64 -name 'libcublas.so*' 2>/dev/null | grep -v Lt | head -1)
 echo "cublas: ${cublas:-none}"
 [ -n "$cublas" ] && export LD_LIBRARY_PATH="$(dirname "$cublas")${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-for conn in inherited 1 32; do
+# PROBE_CONNS: the CUDA_DEVICE_MAX_CONNECTIONS runs (inherited = as the environment has it);
+# PROBE_POOLS: the host pools' sizes in MiB (each of K and V), one run each with inherited connections
+for conn in ${PROBE_CONNS-inherited 1 32}; do
   if [ "$conn" = inherited ]; then
     timeout 150 /tmp/overlap_probe ${cublas:+"$cublas"} > /tmp/overlap_probe_$conn.jsonl
   else
     CUDA_DEVICE_MAX_CONNECTIONS=$conn timeout 150 /tmp/overlap_probe ${cublas:+"$cublas"} > /tmp/overlap_probe_$conn.jsonl
   fi
   echo "run $conn: rc $?"
+done
+for mib in ${PROBE_POOLS-}; do
+  OVERLAP_PROBE_POOL_MIB=$mib timeout 200 /tmp/overlap_probe ${cublas:+"$cublas"} > /tmp/overlap_probe_pool$mib.jsonl
+  echo "run pool $mib MiB: rc $?"
 done
 python3 scripts/probes/overlap_summary.py /tmp/overlap_probe_*.jsonl

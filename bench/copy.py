@@ -204,11 +204,11 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
     copies and the work layers ran). Every copy is checked against NumPy.
     implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
     """
-    from sparda_jax.infer.engine import _after_start, _host_sharding, join_tokens
+    from sparda_jax.infer.engine import _after_start, host_sharding, join_tokens
     from sparda_jax.kernels.copy_engine import lane_ctas
 
     log = log or (lambda m: print(m, flush=True))
-    host = _host_sharding()
+    host = host_sharding()
     n_pool = pool_mib * 2**20 // (int(np.prod(BLOCK)) * 2)
     rng = np.random.default_rng(seed)
     pools = tuple(jax.device_put(rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16), host)

@@ -81,9 +81,9 @@ def _log_default(s):
 def _h2d_gb_per_s(mib: int = 512, repeats: int = 5) -> float | None:
     """Pinned host -> device bandwidth of one bulk copy: the PCIe floor's denominator."""
     try:
-        from sparda_jax.bench.engine_state import _host_sharding
+        from sparda_jax.infer.engine import host_sharding
 
-        x = jax.device_put(jax.random.normal(jax.random.key(0), (mib * 2**19,), BF16), _host_sharding())
+        x = jax.device_put(jax.random.normal(jax.random.key(0), (mib * 2**19,), BF16), host_sharding())
         f = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))
         jax.block_until_ready(f(x))
         ts = []

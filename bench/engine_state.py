@@ -22,13 +22,12 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig, get_preset
 from sparda_jax.forecast import init_forecast
 from sparda_jax.infinigen import InfiniGenParams
-from sparda_jax.infer.engine import RESIDENT_MODES, OffloadState, memory_report, selector_of
+from sparda_jax.infer.engine import RESIDENT_MODES, OffloadState, host_pool, memory_report, selector_of
 from sparda_jax.model import KVCache, init_params
 from sparda_jax.modes import DecodeState
 
@@ -164,24 +163,16 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
     if config.has_cis:
         raise NotImplementedError("the benchmark states carry no NOSA cis")
     n_slots = sp.topk if n_slots is None else n_slots
-    hs = _host_sharding()
     host = {}
     for name, xs in (("k", ks), ("v", vs)):
         dev = jnp.stack(xs)
         xs.clear()  # one payload's pool on the device at a time
-        host[name] = jax.device_put(dev, hs)
+        host[name] = host_pool(dev)  # placed as engine_prefill places its pools, and checked
         del dev
     l1, kh, d = config.num_layers - 1, config.num_kv_heads, config.head_dim
     cache = tuple({n: jnp.zeros((batch, kh, n_slots, bs, d), BF16) for n in ("k", "v")} for _ in range(l1))
     table = jnp.full((l1, batch, kh, n_slots), -1, jnp.int32)
     return OffloadState(l0, host, cache, table, tuple(cks), None, tuple(pks) if pks else None)
-
-
-def _host_sharding():
-    # as engine_prefill places its pools: pinned_host where the backend has it
-    dev = jax.devices()[0]
-    kinds = {m.kind for m in dev.addressable_memories()}
-    return SingleDeviceSharding(dev, memory_kind="pinned_host" if "pinned_host" in kinds else None)
 
 
 def block_bytes(config: ModelConfig, dtype=BF16) -> int:

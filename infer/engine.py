@@ -44,8 +44,8 @@ from sparda_jax.runtime import warn_if_default_launch_queues
 
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, doorbell_serve,
                                             gather_blocks, gather_blocks_ring, gather_blocks_ring_wait,
-                                            gather_blocks_start, gather_blocks_wait, lane_ctas, paper_num_ctas,
-                                            resolve_implementation, scatter_blocks)
+                                            gather_blocks_start, gather_blocks_wait, lane_ctas, memory_type,
+                                            paper_num_ctas, resolve_implementation, scatter_blocks)
 
 from .blockcache import assign_slots
 
@@ -98,10 +98,35 @@ class OffloadState(struct.PyTreeNode):
         return self.l0["k"].shape[1]
 
 
-def _host_sharding():
+def host_sharding():
+    """Where the engine's host pools go: the pinned_host memory kind where the backend has it."""
     dev = jax.devices()[0]
     kinds = {m.kind for m in dev.addressable_memories()}
     return SingleDeviceSharding(dev, memory_kind="pinned_host" if "pinned_host" in kinds else None)
+
+
+def _on_cuda(dev) -> bool:
+    return dev.platform == "gpu" and "cuda" in getattr(dev.client, "platform_version", "").lower()
+
+
+def host_pool(x) -> jax.Array:
+    """x as one of the engine's host pools: in the pinned_host memory kind where the backend has
+    it. On a CUDA GPU the buffer is checked to be page-locked host memory (`memory_type`): XLA's VMM
+    allocator, which its command-buffer update modes other than ALWAYS_UPDATE force, placed
+    pinned_host arrays in device memory on the H200 (bench/results/decode_update_*.json, f43841a: a
+    "host" -> device copy at 1064-1233 GB/s). The engine would then read its KV from the device
+    and report offload numbers that are not."""
+    sharding = host_sharding()
+    out = jax.device_put(x, sharding)
+    if sharding.memory_kind == "pinned_host" and _on_cuda(next(iter(sharding.device_set))):
+        where = memory_type(out)
+        if where != "host":
+            raise RuntimeError(
+                f"the host KV pool asked for pinned_host memory but CUDA places it in {where} memory, so the "
+                "offload would not offload. XLA's VMM allocator does this; it is forced by "
+                "--xla_gpu_command_buffer_update_mode other than ALWAYS_UPDATE (XLA_FLAGS) and chosen by "
+                "XLA_PYTHON_CLIENT_ALLOCATOR / the client's allocator settings: run without them")
+    return out
 
 
 def _to_blocks(x, bs: int):
@@ -133,8 +158,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
     full = {"k": st.kv.k, "v": st.kv.v}
     if config.has_cis:
         full["cis"] = st.cis[..., None]  # a trailing unit axis: every payload is [..., tokens, K, X]
-    host_sharding = _host_sharding()
-    host = {n: jax.device_put(_to_blocks(a[1:], bs), host_sharding) for n, a in full.items()}
+    host = {n: host_pool(_to_blocks(a[1:], bs)) for n, a in full.items()}
     b, kh = tokens.shape[0], config.num_kv_heads
     cache = tuple({n: jnp.zeros((b, kh, n_slots, bs, a.shape[-1]), a.dtype) for n, a in full.items()}
                   for _ in range(config.num_layers - 1))

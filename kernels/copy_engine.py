@@ -51,7 +51,7 @@ __all__ = ["gather_blocks", "gather_blocks_reference", "gather_blocks_start", "g
            "reset_host_copies_in_flight", "FFI_IMPLEMENTATIONS", "nvcc_path", "paper_num_ctas", "autotune_num_ctas",
            "pick_num_ctas", "lane_ctas", "MAX_PAYLOADS", "gather_blocks_dma_start", "mark", "trace", "read_trace",
            "unaliased_copies", "doorbell_timeline", "resolve_implementation", "DOORBELL_MARKS", "COPY_THREADS",
-           "COPY_GROUP", "doorbell_serve", "gather_blocks_ring", "gather_blocks_ring_wait"]
+           "COPY_GROUP", "doorbell_serve", "gather_blocks_ring", "gather_blocks_ring_wait", "memory_type", "MEMORY_TYPES"]
 
 SOURCE = Path(__file__).resolve().parent / "copy" / "gather_blocks.cu"
 HOST_SOURCE = SOURCE.with_name("gather_blocks_host.cc")
@@ -413,7 +413,24 @@ def mark(x, mark_id: int, *, implementation: str | None = None):
 def _cuda_library() -> ctypes.CDLL:
     lib = ctypes.cdll.LoadLibrary(str(build_library()))
     lib.sparda_trace_read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]
+    lib.sparda_memory_type.argtypes, lib.sparda_memory_type.restype = [ctypes.c_void_p], ctypes.c_int
     return lib
+
+
+MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}  # cudaMemoryType
+
+
+def memory_type(x: jax.Array) -> str:
+    """Where CUDA places the buffer of a single-device array on a CUDA GPU (cudaPointerGetAttributes):
+    "host" (page-locked host memory, what the copy kernels read over UVA), "device", "managed" or
+    "unregistered" (pageable host memory). An array's memory kind says where JAX asked for it;
+    this says where it is."""
+    if len(x.addressable_shards) != 1:
+        raise ValueError(f"memory_type: a single-device array, got {len(x.addressable_shards)} shards")
+    code = _cuda_library().sparda_memory_type(ctypes.c_void_p(x.addressable_data(0).unsafe_buffer_pointer()))
+    if code < 0:
+        raise RuntimeError("memory_type: cudaPointerGetAttributes failed for the array's buffer")
+    return MEMORY_TYPES.get(code, f"unknown ({code})")
 
 
 def trace(on: bool) -> None:

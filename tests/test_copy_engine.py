@@ -139,6 +139,19 @@ def test_overlap_probe_compiles(tmp_path):
 
 
 @pytest.mark.gpu
+def test_cuda_memory_type_tells_pinned_host_from_device():
+    """The engine's check on its host pools: under XLA's default allocator a pinned_host array is
+    page-locked host memory and a device array device memory (under the VMM allocator that XLA's
+    command-buffer update modes force, pinned_host arrays came out in device memory, f43841a)."""
+    from sparda_jax.kernels.copy_engine import memory_type
+
+    dev = jax.devices()[0]
+    x = jax.random.normal(jax.random.key(1), (4096,), jnp.float32)
+    assert memory_type(jax.device_put(x, SingleDeviceSharding(dev, memory_kind="pinned_host"))) == "host"
+    assert memory_type(jax.device_put(x, SingleDeviceSharding(dev, memory_kind="device"))) == "device"
+
+
+@pytest.mark.gpu
 def test_cuda_gather_equals_reference():
     pool, src, dst, cache = _case(3, n_pool=300, n_slots=64, n=48)
     dev = jax.devices()[0]

@@ -153,6 +153,28 @@ def test_copies_in_graph_are_the_same_copies(setup, mode):
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 
+def test_host_pool_refuses_a_pinned_host_array_that_cuda_places_elsewhere(monkeypatch):
+    """host_pool checks on a CUDA GPU that the pinned_host pool is page-locked host memory: XLA's VMM
+    allocator put such arrays in device memory on the H200, and the engine would then report offload
+    numbers that are not. The CUDA query is replaced here; the GPU test of it is in test_copy_engine."""
+    from sparda_jax.infer import engine
+
+    x = jax.random.normal(jax.random.key(2), (8, 64), jnp.float32)
+    seen = []
+    monkeypatch.setattr(engine, "_on_cuda", lambda dev: True)
+    monkeypatch.setattr(engine, "memory_type", lambda a: seen.append(a.sharding.memory_kind) or "device")
+    with pytest.raises(RuntimeError, match="places it in device memory"):
+        engine.host_pool(x)
+    assert seen == ["pinned_host"]
+    monkeypatch.setattr(engine, "memory_type", lambda a: "host")
+    out = engine.host_pool(x)
+    assert out.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    monkeypatch.setattr(engine, "_on_cuda", lambda dev: False)  # CPU: nothing to ask CUDA
+    monkeypatch.setattr(engine, "memory_type", lambda a: pytest.fail("queried off CUDA"))
+    engine.host_pool(x)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode,copy_start,copy_in_graph", [("sparse", "lanes", False), ("sparda", "lanes", False),
                                                            ("sparda", "one", False), ("sparse", "lanes", True),

@@ -514,6 +514,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaScatterBlocksGraph, CopyImpl,
                               copy_call_binding(),
                               {ffi::Traits::kCmdBufferCompatible});
 
+// Where CUDA places a buffer (cudaPointerGetAttributes): a cudaMemoryType (0 unregistered, i.e.
+// pageable host memory; 1 page-locked host; 2 device; 3 managed), or -1 if the query failed.
+// The engine checks its host pools with it: XLA's VMM allocator, which its command-buffer
+// update modes other than ALWAYS_UPDATE force, placed pinned_host arrays in device memory on the
+// H200 (f43841a), where a gather from them is no offload.
+extern "C" int sparda_memory_type(const void* p) {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, p) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: clear it for the next call's cudaGetLastError
+    return -1;
+  }
+  return static_cast<int>(a.type);
+}
+
 // ---------------------------------------------------------------- doorbell copies (copy_kernels.cuh)
 //
 //   SpardaDoorbellServe  launches the step's server grid (num_ctas CTAs, n_jobs jobs) on its own

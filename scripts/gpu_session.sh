@@ -271,20 +271,22 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       done ;;
     graph-record)  # the update modes' VMM allocator put pinned_host arrays in device memory (update-modes, f43841a:
                    # "h2d" 1064-1233 GB/s, the random-traffic copy at 140 GB/s), so their step is no offload. Under
-                   # the default allocator: how long XLA's update of the step's one 1405-command graph takes
-                   # (~150 us under VMM), as is and with a larger trace cache for its captured commands (~440 s)
-      A="--lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell"
-      for V in default trace256; do
-        F=""; [ $V = trace256 ] && F="--xla_cmd_buffer_trace_cache_size=256"
-        XLA_FLAGS="${XLA_FLAGS:-} $F" TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 215 \
-          python3 -m sparda_jax.cli bench decode $A --budget-s 180 --out "$OUT/decode_record_$V.json" \
-          2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline"
-        echo "$V: big graph updates (us): $(grep -E 'Updated command buffer.*num_commands=1[0-9]{3}( |$)' "$OUT/record_$V.log" \
+                   # the default allocator, 16 layers: how long XLA's update of the step's one big graph takes
+                   # (~150 us under VMM back to back, ~3 ms in synchronous steps), as is, with a larger trace
+                   # cache for its captured commands, and with JAX's preallocated BFC pool (~350 s)
+      A="--lengths 131072 --batches 8 --layers ${GR_LAYERS:-16} --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell"
+      for V in default trace256 prealloc; do
+        F=""; P=false; [ $V = trace256 ] && F="--xla_cmd_buffer_trace_cache_size=256"; [ $V = prealloc ] && P=true
+        XLA_PYTHON_CLIENT_PREALLOCATE=$P XLA_FLAGS="${XLA_FLAGS:-} $F" TF_CPP_MIN_LOG_LEVEL=0 \
+          TF_CPP_VMODULE=command_buffer_thunk=3 timeout 150 python3 -m sparda_jax.cli bench decode $A --budget-s 120 \
+          --out "$OUT/decode_record_$V.json" 2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline"
+        echo "$V: big graph updates (us): $(grep -E 'Updated command buffer.*num_commands=[0-9]{3,}( |$)' "$OUT/record_$V.log" \
           | grep -o 'in [0-9]* ' | awk '{printf "%s ", $2}')"
         gzip -f "$OUT/record_$V.log"
       done ;;
     interference)  # does a UVA copy slow the HBM work beside it? scripts/probes/overlap_probe.cu outside XLA, the
-                   # copy's pool 512 MiB and 16 GiB (the engine's spans 33 GB) (~100 s)
+                   # copy's pool 512 MiB and 16 GiB (the engine's spans 33 GB); and the host pool check's GPU test (~120 s)
+      timeout 60 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_copy_engine.py -k memory_type 2>&1 | tail -2
       PROBE_CONNS=inherited PROBE_POOLS=16384 bash scripts/probes/overlap_probe.sh ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the

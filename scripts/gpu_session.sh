@@ -277,16 +277,20 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       A="--lengths 131072 --batches 8 --layers ${GR_LAYERS:-16} --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell"
       for V in default trace256 prealloc; do
         F=""; P=false; [ $V = trace256 ] && F="--xla_cmd_buffer_trace_cache_size=256"; [ $V = prealloc ] && P=true
+        # the default also times the overlap's three (step, compute alone, copies alone) at 16 and 8 layers:
+        # their difference is a layer's, free of the step's fixed costs (bench.decode.marginal)
+        X=""; T=150; [ $V = default ] && X="--overlap --marginal-layers 8" && T=230
         XLA_PYTHON_CLIENT_PREALLOCATE=$P XLA_FLAGS="${XLA_FLAGS:-} $F" TF_CPP_MIN_LOG_LEVEL=0 \
-          TF_CPP_VMODULE=command_buffer_thunk=3 timeout 150 python3 -m sparda_jax.cli bench decode $A --budget-s 120 \
-          --out "$OUT/decode_record_$V.json" 2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline"
+          TF_CPP_VMODULE=command_buffer_thunk=3 timeout $T python3 -m sparda_jax.cli bench decode $A $X --budget-s $((T - 30)) \
+          --out "$OUT/decode_record_$V.json" 2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline|^overlap|marginal"
         echo "$V: big graph updates (us): $(grep -E 'Updated command buffer.*num_commands=[0-9]{3,}( |$)' "$OUT/record_$V.log" \
           | grep -o 'in [0-9]* ' | awk '{printf "%s ", $2}')"
         gzip -f "$OUT/record_$V.log"
       done ;;
+    tests-memory-type)  # the host pool check's GPU test (~20 s)
+      timeout 60 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_copy_engine.py -k memory_type 2>&1 | tail -2 ;;
     interference)  # does a UVA copy slow the HBM work beside it? scripts/probes/overlap_probe.cu outside XLA, the
-                   # copy's pool 512 MiB and 16 GiB (the engine's spans 33 GB); and the host pool check's GPU test (~120 s)
-      timeout 60 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_copy_engine.py -k memory_type 2>&1 | tail -2
+                   # copy's pool 512 MiB and 16 GiB (the engine's spans 33 GB) (~100 s)
       PROBE_CONNS=inherited PROBE_POOLS=16384 bash scripts/probes/overlap_probe.sh ;;
     graph-updates)  # which of SparDA's graphs XLA re-records each step and how many allocations moved: 4 layers,
                     # batch 8, 128K, XLA's command-buffer log by step (scripts/probes/graph_updates.py): the

@@ -170,15 +170,20 @@ def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = F
     return step
 
 
-def _back_to_back(call, carry, lo: int, hi: int):
+def _back_to_back(call, carry, lo: int, hi: int, host_period: list | None = None):
     """Seconds per call of call(i, carry) -> (carry, out) for i in lo..hi-1, dispatched back to
     back with one wait at the end, as a generation loop that keeps its tokens on the device runs
-    them: the host dispatches call i+1 while call i runs. Returns (seconds, carry, outs)."""
+    them: the host dispatches call i+1 while call i runs. Returns (seconds, carry, outs).
+    host_period: appends the host's seconds per call until the last returned, before the wait.
+    Close to the result, the calls were bound by the host, unless full launch queues held it
+    back (a doorbell step launches ~10 graphs and kernels: its queues do not fill)."""
     outs = []
     t0 = time.perf_counter()
     for i in range(lo, hi):
         carry, out = call(i, carry)
         outs.append(out)
+    if host_period is not None:
+        host_period.append((time.perf_counter() - t0) / max(1, hi - lo))
     jax.block_until_ready((carry, outs))
     return (time.perf_counter() - t0) / max(1, hi - lo), carry, outs
 
@@ -232,7 +237,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
 
     advance = _advancer(step, inputs)
     state = _back_to_back(advance, state, 1, 1 + warmup)[1]
-    pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
+    host_period = []
+    pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps, host_period)
     ts, host, timelines = [], [], []
     # the engine resolves copy_impl None the same way (decode_plan): "cuda" on a GPU
     with_timeline = (copy_start == "doorbell" and mode == "sparda"
@@ -277,6 +283,8 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         sync_tokens_per_s=batch / (med * scale),
         # host time to dispatch one step (median): a step dispatched back to back takes at least this
         host_dispatch_seconds=float(np.median(host)),
+        # the same host time in the timed back-to-back steps (`_back_to_back`): ~step_seconds, host-bound
+        host_period_seconds=host_period[0],
         copied_blocks_per_step=copied, selected_blocks_per_step=selected,
         # the copy engine's calls whose output XLA placed apart from its input (each first copied
         # the whole cache on XLA's stream): expected 0

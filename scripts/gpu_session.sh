@@ -273,16 +273,21 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                    # "h2d" 1064-1233 GB/s, the random-traffic copy at 140 GB/s), so their step is no offload. Under
                    # the default allocator, 16 layers: how long XLA's update of the step's one big graph takes
                    # (~150 us under VMM back to back, ~3 ms in synchronous steps), as is, with a larger trace
-                   # cache for its captured commands, and with JAX's preallocated BFC pool (~350 s)
+                   # cache for its captured commands, and with JAX's preallocated BFC pool; a profiled run for
+                   # the host's events (~520 s; GR_VARIANTS picks)
       A="--lengths 131072 --batches 8 --layers ${GR_LAYERS:-16} --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell"
-      for V in default trace256 prealloc; do
+      for V in ${GR_VARIANTS:-default profile trace256 prealloc}; do
         F=""; P=false; [ $V = trace256 ] && F="--xla_cmd_buffer_trace_cache_size=256"; [ $V = prealloc ] && P=true
+        # profile: 3 traced steps a row, the host's events and CUDA calls by time (bench/profile.py host_top,
+        # host_api); XLA runs op by op under a profiler unless told to keep its command buffers
+        [ $V = profile ] && F="--xla_enable_command_buffers_during_profiling=true"
         # the default also times the overlap's three (step, compute alone, copies alone) at 16 and 8 layers:
         # their difference is a layer's, free of the step's fixed costs (bench.decode.marginal)
         X=""; T=150; [ $V = default ] && X="--overlap --marginal-layers 8" && T=230
+        [ $V = profile ] && X="--profile-steps 3" && T=180
         XLA_PYTHON_CLIENT_PREALLOCATE=$P XLA_FLAGS="${XLA_FLAGS:-} $F" TF_CPP_MIN_LOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3 timeout $T python3 -m sparda_jax.cli bench decode $A $X --budget-s $((T - 30)) \
-          --out "$OUT/decode_record_$V.json" 2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline|^overlap|marginal"
+          --out "$OUT/decode_record_$V.json" 2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline|^overlap|marginal|^ +(host|cuda) "
         echo "$V: big graph updates (us): $(grep -E 'Updated command buffer.*num_commands=[0-9]{3,}( |$)' "$OUT/record_$V.log" \
           | grep -o 'in [0-9]* ' | awk '{printf "%s ", $2}')"
         gzip -f "$OUT/record_$V.log"

@@ -276,6 +276,7 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                    # cache for its captured commands, and with JAX's preallocated BFC pool; a profiled run for
                    # the host's events (~520 s; GR_VARIANTS picks)
       A="--lengths 131072 --batches 8 --layers ${GR_LAYERS:-16} --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell"
+      XF0="${XLA_FLAGS:-}"
       for V in ${GR_VARIANTS:-default profile trace256 prealloc}; do
         F=""; P=false; [ $V = trace256 ] && F="--xla_cmd_buffer_trace_cache_size=256"; [ $V = prealloc ] && P=true
         # profile: 3 traced steps a row, the host's events and CUDA calls by time (bench/profile.py host_top,
@@ -285,13 +286,21 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
         # their difference is a layer's, free of the step's fixed costs (bench.decode.marginal)
         X=""; T=150; [ $V = default ] && X="--overlap --marginal-layers 8" && T=230
         [ $V = profile ] && X="--profile-steps 3" && T=180
-        XLA_PYTHON_CLIENT_PREALLOCATE=$P XLA_FLAGS="${XLA_FLAGS:-} $F" TF_CPP_MIN_LOG_LEVEL=0 \
+        # XLA reads a XLA_FLAGS of blanks as a file name and aborts (the default variant at 8f7ff37): set it only when there are flags
+        FL="$XF0${XF0:+${F:+ }}$F"; if [ -n "$FL" ]; then export XLA_FLAGS="$FL"; else unset XLA_FLAGS; fi
+        XLA_PYTHON_CLIENT_PREALLOCATE=$P TF_CPP_MIN_LOG_LEVEL=0 \
           TF_CPP_VMODULE=command_buffer_thunk=3 timeout $T python3 -m sparda_jax.cli bench decode $A $X --budget-s $((T - 30)) \
           --out "$OUT/decode_record_$V.json" 2> "$OUT/record_$V.log" | grep -E "^\| SparDA|^doorbell timeline|^overlap|marginal|^ +(host|cuda) "
         echo "$V: big graph updates (us): $(grep -E 'Updated command buffer.*num_commands=[0-9]{3,}( |$)' "$OUT/record_$V.log" \
           | grep -o 'in [0-9]* ' | awk '{printf "%s ", $2}')"
         gzip -f "$OUT/record_$V.log"
-      done ;;
+      done
+      if [ -n "$XF0" ]; then export XLA_FLAGS="$XF0"; else unset XLA_FLAGS; fi ;;
+    pool-check)  # the engine's host pool check on the failure it guards against: under the VMM allocator that
+                 # SKIP_TEMP forces, the benchmark's state build must refuse its pinned_host pool (~40 s)
+      XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 90 python3 -m sparda_jax.cli \
+        bench decode --lengths 131072 --batches 8 --layers 4 --modes sparda --reuse-fractions --budget-s 60 \
+        --out "$OUT/decode_pool_check.json" 2>&1 | grep -E "RuntimeError|places it|rror" | cut -c1-300 | head -4 ;;
     tests-memory-type)  # the host pool check's GPU test (~20 s)
       timeout 60 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_copy_engine.py -k memory_type 2>&1 | tail -2 ;;
     interference)  # does a UVA copy slow the HBM work beside it? scripts/probes/overlap_probe.cu outside XLA, the

@@ -182,11 +182,11 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
     claims-doorbell)  # the batch-8 claim at full depth with SparDA's doorbell copies (one graph a step), Sparse beside
                       # it, random traffic and SmolLM2's miss rates, each row's host_period_seconds (host-bound or
                       # not), then SparDA's full-depth overlap (step, compute alone, copies alone) on reuse (~560 s)
-      timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+      timeout 300 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell \
-        --budget-s 290 --out "$OUT/decode_claims32_doorbell.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse|warning"
-      timeout 220 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
-        --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 190 \
+        --budget-s 260 --out "$OUT/decode_claims32_doorbell.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse|warning"
+      timeout 270 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 240 \
         --out "$OUT/decode_overlap32_doorbell.json" 2>&1 | grep -E "^\| SparDA|^overlap|^doorbell timeline" ;;
     graph-prefetch)  # sparda's prefetch as the in-graph gather beside layer l (copy_start "graph", CONCURRENT
                      # graph scheduling): its GPU equality test, then 4 layers, batch 8, 128K, sparda beside

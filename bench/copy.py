@@ -28,9 +28,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.envinfo import environment
+from sparda_jax.infer.engine import host_pool  # pinned_host, and on CUDA checked to be host memory
 from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_dma_start, gather_blocks_start, mark,
                                             gather_blocks_wait, scatter_blocks, scatter_blocks_reference)
 
@@ -52,12 +52,11 @@ def _time(fn, repeats: int) -> tuple[float, float, float]:
 def bench_copy(*, pool_mib: int = 2048, sizes_mib=(1, 2, 4, 8, 16, 32), ctas=(1, 2, 4, 8, 16, 32, 64, 132),
                repeats: int = 20, seed: int = 0, variants=("uva", "bulk", "xla_loop", "host")) -> dict:
     dev = jax.devices()[0]
-    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
     block_bytes = int(np.prod(BLOCK)) * 2
     n_pool = pool_mib * 2**20 // block_bytes
     rng = np.random.default_rng(seed)
     pool_np = rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16)
-    pool = jax.device_put(pool_np, host)
+    pool = host_pool(pool_np)
     rows = []
     for mib in sizes_mib:
         n = mib * 2**20 // block_bytes
@@ -80,7 +79,7 @@ def bench_copy(*, pool_mib: int = 2048, sizes_mib=(1, 2, 4, 8, 16, 32), ctas=(1,
             rows.append(row)
 
         if "bulk" in variants:
-            contiguous = jax.device_put(expected, host)
+            contiguous = host_pool(expected)
             to_device = jax.jit(lambda x: jax.device_put(x, jax.memory.Space.Device))
             record("bulk", lambda: to_device(contiguous))
         if "uva" in variants:
@@ -120,12 +119,11 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
     "matmul" (bf16 4096^3, tensor-core bound) and "stream" (a skinny [16, 8192] x [8192, 8192]
     chain, weight-read bound like a decode layer)."""
     dev = jax.devices()[0]
-    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
     block_bytes = int(np.prod(BLOCK)) * 2
     n_pool, n = pool_mib * 2**20 // block_bytes, copy_mib * 2**20 // block_bytes
     rng = np.random.default_rng(seed)
     pool_np = rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16)
-    pool = jax.device_put(pool_np, host)
+    pool = host_pool(pool_np)
     src = jnp.asarray(rng.choice(n_pool, n, replace=False).astype(np.int32))
     dst = jnp.arange(n, dtype=jnp.int32)
     cache = jax.device_put(jnp.zeros((n, *BLOCK), jnp.bfloat16), dev)
@@ -204,14 +202,13 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
     copies and the work layers ran). Every copy is checked against NumPy.
     implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
     """
-    from sparda_jax.infer.engine import _after_start, host_sharding, join_tokens
+    from sparda_jax.infer.engine import _after_start, join_tokens
     from sparda_jax.kernels.copy_engine import lane_ctas
 
     log = log or (lambda m: print(m, flush=True))
-    host = host_sharding()
     n_pool = pool_mib * 2**20 // (int(np.prod(BLOCK)) * 2)
     rng = np.random.default_rng(seed)
-    pools = tuple(jax.device_put(rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16), host)
+    pools = tuple(host_pool(rng.standard_normal((n_pool, *BLOCK), dtype=np.float32).astype(jnp.bfloat16))
                   for _ in range(2))
     ks = jax.random.split(jax.random.key(seed), 3)
     w1 = jax.random.normal(ks[0], dims, jnp.bfloat16) * 0.01
@@ -427,8 +424,6 @@ def _copy(pool, src, dst, cache, ctas):
 def bench_scatter(*, pools_mib=(256, 4096), blocks: int = 64, repeats: int = 20, seed: int = 0) -> dict:
     """Write-back of `blocks` blocks into host pools of growing size: the time must not grow
     with the pool (only the written blocks cross PCIe)."""
-    dev = jax.devices()[0]
-    host = SingleDeviceSharding(dev, memory_kind="pinned_host")
     block_bytes = int(np.prod(BLOCK)) * 2
     rng = np.random.default_rng(seed)
     cache = jax.random.normal(jax.random.key(seed), (blocks, *BLOCK), jnp.bfloat16)
@@ -443,12 +438,12 @@ def bench_scatter(*, pools_mib=(256, 4096), blocks: int = 64, repeats: int = 20,
             want = np.asarray(scatter_blocks_reference(cache, slots, dst, jnp.asarray(pool_np))).astype(np.float32)
             for impl in ("cuda", "xla"):
                 f = jax.jit(lambda c, s, d, p, impl=impl: scatter_blocks(c, s, d, p, implementation=impl), donate_argnums=3)
-                check = f(cache, slots, dst, jax.device_put(pool_np, host))
+                check = f(cache, slots, dst, host_pool(pool_np))
                 if not np.array_equal(np.asarray(check).astype(np.float32), want):
                     raise AssertionError(f"{impl}: wrong data")
                 row[f"{impl}_on_host"] = check.sharding.memory_kind == "pinned_host"
                 del check  # np.asarray keeps a view of it: the timed chain below needs a pool nobody else holds
-                pool = f(cache, slots, dst, jax.device_put(pool_np, host))
+                pool = f(cache, slots, dst, host_pool(pool_np))
                 ts = []
                 for _ in range(repeats):  # the pool is donated: each call returns the next input
                     t0 = time.perf_counter()

@@ -81,9 +81,9 @@ def _log_default(s):
 def _h2d_gb_per_s(mib: int = 512, repeats: int = 5) -> float | None:
     """Pinned host -> device bandwidth of one bulk copy: the PCIe floor's denominator."""
     try:
-        from sparda_jax.infer.engine import host_sharding
+        from sparda_jax.infer.engine import host_pool
 
-        x = jax.device_put(jax.random.normal(jax.random.key(0), (mib * 2**19,), BF16), host_sharding())
+        x = host_pool(jax.random.normal(jax.random.key(0), (mib * 2**19,), BF16))  # placed as the pools are
         f = jax.jit(lambda a: jax.device_put(a, jax.memory.Space.Device))
         jax.block_until_ready(f(x))
         ts = []
@@ -283,7 +283,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         sync_tokens_per_s=batch / (med * scale),
         # host time to dispatch one step (median): a step dispatched back to back takes at least this
         host_dispatch_seconds=float(np.median(host)),
-        # the same host time in the timed back-to-back steps (`_back_to_back`): ~step_seconds, host-bound
+        # the host's time in the timed back-to-back steps (`_back_to_back`): near step_seconds when host-bound
         host_period_seconds=host_period[0],
         copied_blocks_per_step=copied, selected_blocks_per_step=selected,
         # the copy engine's calls whose output XLA placed apart from its input (each first copied

@@ -410,6 +410,7 @@ def mark(x, mark_id: int, *, implementation: str | None = None):
     return call(x, id=np.int32(mark_id))
 
 
+@functools.cache
 def _cuda_library() -> ctypes.CDLL:
     lib = ctypes.cdll.LoadLibrary(str(build_library()))
     lib.sparda_trace_read.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.POINTER(ctypes.c_float)]

@@ -15,7 +15,7 @@ __all__ = ["environment"]
 # variables that change what a timed run measures (XLA's command buffers, the CUDA launch queues and kernel loading,
 # the compilation cache): recorded with each result so that two JSONs say how they differ
 _RUN_VARIABLES = ("XLA_FLAGS", "CUDA_SCALE_LAUNCH_QUEUES", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
-                  "JAX_COMPILATION_CACHE_DIR", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+                  "JAX_COMPILATION_CACHE_DIR", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_PREALLOCATE")
 
 
 def _git(*args: str) -> str | None:

@@ -149,6 +149,11 @@ def test_cuda_memory_type_tells_pinned_host_from_device():
     x = jax.random.normal(jax.random.key(1), (4096,), jnp.float32)
     assert memory_type(jax.device_put(x, SingleDeviceSharding(dev, memory_kind="pinned_host"))) == "host"
     assert memory_type(jax.device_put(x, SingleDeviceSharding(dev, memory_kind="device"))) == "device"
+    # the engine's own path: it must see this GPU as CUDA (else it checks nothing) and accept the pool
+    from sparda_jax.infer import engine
+
+    assert engine._on_cuda(dev)
+    assert engine.host_pool(x).sharding.memory_kind == "pinned_host"
 
 
 @pytest.mark.gpu

@@ -170,6 +170,14 @@ def test_host_pool_refuses_a_pinned_host_array_that_cuda_places_elsewhere(monkey
     out = engine.host_pool(x)
     assert out.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    def no_nvcc(a):
+        raise RuntimeError("nvcc not found")
+
+    monkeypatch.setattr(engine, "memory_type", no_nvcc)  # cannot ask: a warning, not a stop
+    with pytest.warns(UserWarning, match="placement was not checked"):
+        engine.host_pool(x)
+    monkeypatch.setattr(engine, "memory_type", lambda a: pytest.fail("queried an empty pool"))
+    assert engine.host_pool(x[:0]).size == 0  # no buffer address to ask about (a 1-layer model's pool)
     monkeypatch.setattr(engine, "_on_cuda", lambda dev: False)  # CPU: nothing to ask CUDA
     monkeypatch.setattr(engine, "memory_type", lambda a: pytest.fail("queried off CUDA"))
     engine.host_pool(x)

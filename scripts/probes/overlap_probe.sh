@@ -1,6 +1,7 @@
 # Does the engine's copy kernel run beside other kernels outside XLA (plain CUDA streams)? Builds and
 # runs scripts/probes/overlap_probe.cu as the environment has it, then with CUDA_DEVICE_MAX_CONNECTIONS
-# 1 and 32 (~60 s); writes $OUT/overlap_probe.json with the commit and a table per run.
+# 1 and 32 (PROBE_CONNS), and with larger host pools (PROBE_POOLS, MiB) (~60 s for the default three);
+# writes $OUT/overlap_probe.json with the commit and a table per run.
 set -u
 echo "env: $(env | grep -E '^(CUDA|NCCL)' | tr '\n' ' ')"
 nvidia-smi --query-gpu=name,driver_version,compute_mode,mig.mode.current --format=csv,noheader 2>/dev/null

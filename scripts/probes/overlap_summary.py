@@ -25,8 +25,8 @@ def load(path):
 
 
 def table(d):
-    out = [f"\nCUDA_DEVICE_MAX_CONNECTIONS: {d['run']} (process saw '{d.get('CUDA_DEVICE_MAX_CONNECTIONS', '?')}'), "
-           f"{d.get('sms', '?')} SMs, driver {d.get('driver', '?')}",
+    out = [f"\nrun {d['run']}: CUDA_DEVICE_MAX_CONNECTIONS '{d.get('CUDA_DEVICE_MAX_CONNECTIONS', '?')}', "
+           f"pool {d.get('pool_mib', '?')} MiB, {d.get('sms', '?')} SMs, driver {d.get('driver', '?')}",
            f"{'case':17} {'work':26} {'cp':>2} {'ctas':>4} {'first':>5} {'copy ms':>8} {'work ms':>8} {'total':>8} "
            f"{'/max':>6} {'/sum':>6}"]
     alone = {(c["case"], c["work"], c["ctas"]): c for c in d["cases"]}

@@ -240,9 +240,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     host_period = []
     pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps, host_period)
     ts, host, timelines = [], [], []
-    # the engine resolves copy_impl None the same way (decode_plan): "cuda" on a GPU
-    with_timeline = (copy_start == "doorbell" and mode == "sparda"
-                     and resolve_implementation(copy_impl) in FFI_IMPLEMENTATIONS)
+    with_timeline = _records_timeline(mode, copy_start, copy_impl)
     unaliased_copies(copy_impl, reset=True)  # whole-buffer copies XLA's buffer choices cost the copy calls
     for i in range(1 + warmup + steps, 1 + warmup + 2 * steps):
         t0 = time.perf_counter()
@@ -300,6 +298,11 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     return rec
 
 
+def _records_timeline(mode: str, copy_start: str, copy_impl) -> bool:
+    # the engine resolves copy_impl None the same way (decode_plan): "cuda" on a GPU
+    return copy_start == "doorbell" and mode == "sparda" and resolve_implementation(copy_impl) in FFI_IMPLEMENTATIONS
+
+
 def doorbell_summary(timelines: list[dict]) -> dict:
     """The doorbell steps' timelines (`copy_engine.doorbell_timeline`, one per synchronous step)
     as per-job medians over the steps (us after the server began), and what they say per layer,
@@ -322,6 +325,8 @@ def doorbell_summary(timelines: list[dict]) -> dict:
     out = {"steps": len(timelines), "jobs": int(st["ring"].shape[1]),
            "per_job_us": {k: [num(x) for x in med(v, axis=0)] for k, v in {**st, **diffs}.items()}}
     out.update({f"median_{k}": num(med(v)) for k, v in diffs.items()})
+    # a layer's period on XLA's stream: one ring to the next (None with one job a step)
+    out["median_ring_interval_us"] = num(med(np.diff(st["ring"], axis=1))) if st["ring"].shape[1] > 1 else None
     # XLA's stream in waits, a step: summed over the jobs, the median over the steps
     out["stall_us_per_step"] = (num(med(np.nansum(stall, axis=1)[np.isfinite(stall).any(axis=1)]))
                                 if np.isfinite(stall).any() else None)
@@ -394,6 +399,15 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
     state = _back_to_back(advance, state, 0, 1 + warmup)[1]  # compile, cold cache, warm-up
     compute, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
     skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
+    compute_timeline = None
+    if _records_timeline(mode, copy_start, copy_impl):
+        # compute alone's own timeline, from synchronous steps after the timed ones: its ring interval
+        # beside the row's tells a per-layer cost of moving data from one outside the layers
+        tls = []
+        for i in range(1 + warmup + steps, 1 + warmup + steps + min(3, steps)):
+            state = jax.block_until_ready(advance(i, state)[0])
+            tls.append(doorbell_timeline(cfg.num_layers - 1, copy_impl))
+        compute_timeline = doorbell_summary(tls)
 
     plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas,
                        copy_group=copy_group, copy_start=copy_start, copy_in_graph=ctx.copy_in_graph,
@@ -421,6 +435,7 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
             "target": OVERLAP_TARGET, "copy_blocks_per_layer": n, "copy_layers": int(l1),
             "copy_impl": plan.copy_impl, "num_ctas": plan.num_ctas,
             "compute_alone_copied_blocks_per_step": skipped_copied,
+            **({"compute_alone_doorbell_timeline": compute_timeline} if compute_timeline else {}),
             "note": "layers timed, unscaled; compute_alone: skip_copies=True (same launches and bookkeeping, src -1, "
                     "stale cache); copy_alone: the engine's gather of copy_blocks_per_layer random distinct blocks "
                     "per offloaded layer (sparda: start + wait per payload on its lane; sparda_sync: one gather)"}
@@ -859,7 +874,15 @@ def _overlap_line(x) -> str:
     return (f"overlap {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} (layers timed, unscaled): step "
             f"{o['both_s'] * 1e3:.2f} ms, compute alone {o['compute_alone_s'] * 1e3:.2f} ms, copy alone "
             f"{o['copy_alone_s'] * 1e3:.2f} ms ({o['copy_blocks_per_layer']} blocks x {o['copy_layers']} layers); "
-            f"step / max {o['ratio_to_max']:.2f} (target <= {o['target']}), step / sum {o['ratio_to_sum']:.2f}")
+            f"step / max {o['ratio_to_max']:.2f} (target <= {o['target']}), step / sum {o['ratio_to_sum']:.2f}"
+            + _ring_intervals(x))
+
+
+def _ring_intervals(x) -> str:
+    """The row's and compute alone's layer period on XLA's stream (doorbell timelines), where both exist."""
+    a = (x.get("doorbell_timeline") or {}).get("median_ring_interval_us")
+    b = (x["overlap"].get("compute_alone_doorbell_timeline") or {}).get("median_ring_interval_us")
+    return f"; ring to ring {a:.0f} us, compute alone {b:.0f} us" if a is not None and b is not None else ""
 
 
 def _timeline_line(x) -> str:
@@ -867,7 +890,7 @@ def _timeline_line(x) -> str:
     return (f"doorbell timeline {x['variant']} ({t['steps']} steps, {t['jobs']} jobs, medians): copy "
             f"{t['median_copy_us']:.0f} us, ring to copy {t['median_start_lag_us']:.0f} us, window "
             f"{t['median_window_us']:.0f} us, slack {t['median_slack_us']:.0f} us, stall {t['median_stall_us']:.0f} us "
-            f"({t['stall_us_per_step']:.0f} us a step)")
+            f"({t['stall_us_per_step']:.0f} us a step), ring to ring {t.get('median_ring_interval_us', float('nan')):.0f} us")
 
 
 def _marginal_line(x) -> str:

@@ -293,13 +293,23 @@ def test_host_ffi_doorbell_timeline_orders_each_job(tmp_path):
     with pytest.raises(ValueError, match="FFI implementation"):
         doorbell_timeline(3, "xla")
 
-    r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparda",), layers=2, steps=2, warmup=1,
+    r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparda",), layers=3, steps=3, warmup=1,
                      reuse_fractions=(), copy_impl="host_ffi", copy_start="doorbell", with_ceilings=False,
-                     budget_s=None, out=tmp_path / "d.json", log=lambda s: None)
+                     budget_s=None, overlap=True, out=tmp_path / "d.json", log=lambda s: None)
     (row,) = [x for x in r["rows"] if x["status"] == "ok"]
     tl = row["doorbell_timeline"]
-    assert tl["steps"] == 2 and tl["jobs"] == 1 and tl["median_copy_us"] >= 0 and tl["median_window_us"] > 0
-    assert len(tl["per_job_us"]["ring"]) == 1
+    assert tl["steps"] == 3 and tl["jobs"] == 2 and tl["median_copy_us"] >= 0 and tl["median_window_us"] > 0
+    assert len(tl["per_job_us"]["ring"]) == 2
+    ring = np.array(tl["per_job_us"]["ring"])
+    assert tl["median_ring_interval_us"] > 0 and ring[1] > ring[0]
+    # compute alone (no data moved) records its own timeline, from its own synchronous steps
+    ct = row["overlap"]["compute_alone_doorbell_timeline"]
+    assert ct["steps"] == 3 and ct["jobs"] == 2 and ct["median_ring_interval_us"] > 0 and ct["median_stall_us"] >= 0
+    from sparda_jax.bench.decode import table
+
+    lines = table(r).splitlines()
+    assert any(ln.startswith("overlap") and "compute alone" in ln and "ring to ring" in ln for ln in lines)
+    assert any(ln.startswith("doorbell timeline") and "ring to ring" in ln for ln in lines)
 
 
 @pytest.mark.gpu

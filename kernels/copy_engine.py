@@ -192,7 +192,7 @@ def _register(implementation: str) -> None:
     if implementation == "host_ffi":
         lib, platform, suffix = _host_library(), "cpu", "Host"
     else:
-        lib, platform, suffix = ctypes.cdll.LoadLibrary(str(build_library())), "CUDA", ""
+        lib, platform, suffix = _cuda_library(), "CUDA", ""
     for target, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol + suffix)), platform=platform)
 
@@ -210,7 +210,7 @@ def _doorbell_init(implementation: str) -> None:
                           f"doorbell's ~10 s watchdog stops the CUDA context. Export {MODULE_LOADING}=EAGER, or "
                           "call sparda_jax.runtime.set_eager_module_loading() before JAX first uses the GPU.",
                           stacklevel=3)
-        err = ctypes.cdll.LoadLibrary(str(build_library())).sparda_doorbell_init()
+        err = _cuda_library().sparda_doorbell_init()
         if err != 0:
             raise RuntimeError(f"sparda_doorbell_init failed: cudaError_t {err}")
 

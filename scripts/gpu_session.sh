@@ -239,7 +239,7 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       grep -E "passed|failed|error" "$OUT/gpu_tests_doorbell.log" ;;
     doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's
                # graphs): their GPU tests, then SparDA at 4 layers, batch 8, 128K, lanes and doorbell with compute
-               # alone and copies alone, then the doorbell at full depth (~420 s)
+               # alone and copies alone, then the doorbell at full depth (~420 s; its timeouts allow 710 s: a call of its own)
       bash "$0" tests-doorbell
       for S in lanes doorbell; do
         timeout 120 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 4 --repeats 12 \

@@ -181,13 +181,14 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         --out "$OUT/decode_claims32.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse|warning" ;;
     claims-doorbell)  # the batch-8 claim at full depth with SparDA's doorbell copies (one graph a step), Sparse beside
                       # it, random traffic and SmolLM2's miss rates, each row's host_period_seconds (host-bound or
-                      # not), then SparDA's full-depth overlap (step, compute alone, copies alone) on reuse (~560 s)
+                      # not) (~450 s: at a6a025c Sparse's three rows took 192 s, weights, ceilings and compile included,
+                      # and SparDA's first call was still compiling when a 300 s limit cut it)
       # XLA's command-buffer log beside it: each graph update's time and moved allocations at 32 layers
       # (at 16, updates that moved 2 allocations took ~0.1 ms, 3-4 moved 1.5-4.8 ms: graph_updates/record_profile)
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 300 python3 -m sparda_jax.cli bench decode \
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 540 python3 -m sparda_jax.cli bench decode \
         --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell \
-        --budget-s 260 --out "$OUT/decode_claims32_doorbell.json" 2> "$OUT/claims32.log" | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse"
+        --budget-s 480 --out "$OUT/decode_claims32_doorbell.json" 2> "$OUT/claims32.log" | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse"
       grep -iE "warning" "$OUT/claims32.log" | grep -v "^[IW][0-9]" | head -5
       python3 -c "
 import re, sys, statistics as st, collections as C
@@ -198,9 +199,10 @@ for l in open(sys.argv[1], errors='replace'):
     m = re.search(r'Updated command buffer in (\d+) .*num_commands=(\d+)', l)
     if m and int(m.group(2)) >= 100: u[(int(m.group(2)), pend.get(m.group(2)))].append(int(m.group(1)))
 for k, v in sorted(u.items()): print('graph of', k[0], 'commands,', k[1], 'moved allocations:', len(v), 'updates, median', st.median(v), 'us, max', max(v))
-" "$OUT/claims32.log"; gzip -f "$OUT/claims32.log"
-      timeout 270 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
-        --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 240 \
+" "$OUT/claims32.log"; gzip -f "$OUT/claims32.log" ;;
+    overlap32-doorbell)  # SparDA's full-depth overlap (step, compute alone, copies alone) on reuse, doorbell (~300 s)
+      timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 300 \
         --out "$OUT/decode_overlap32_doorbell.json" 2>&1 | grep -E "^\| SparDA|^overlap|^doorbell timeline" ;;
     graph-prefetch)  # sparda's prefetch as the in-graph gather beside layer l (copy_start "graph", CONCURRENT
                      # graph scheduling): its GPU equality test, then 4 layers, batch 8, 128K, sparda beside

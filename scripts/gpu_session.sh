@@ -190,16 +190,17 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell \
         --budget-s 480 --out "$OUT/decode_claims32_doorbell.json" 2> "$OUT/claims32.log" | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse"
       grep -iE "warning" "$OUT/claims32.log" | grep -v "^[IW][0-9]" | head -5
-      python3 -c "
-import re, sys, statistics as st, collections as C
-u = C.defaultdict(list); pend = {}
-for l in open(sys.argv[1], errors='replace'):
-    m = re.search(r'num_commands=(\d+); updated_allocs=(\d+)', l)
-    if m: pend[m.group(1)] = int(m.group(2)); continue
-    m = re.search(r'Updated command buffer in (\d+) .*num_commands=(\d+)', l)
-    if m and int(m.group(2)) >= 100: u[(int(m.group(2)), pend.get(m.group(2)))].append(int(m.group(1)))
-for k, v in sorted(u.items()): print('graph of', k[0], 'commands,', k[1], 'moved allocations:', len(v), 'updates, median', st.median(v), 'us, max', max(v))
-" "$OUT/claims32.log"; gzip -f "$OUT/claims32.log" ;;
+      python3 scripts/probes/graph_updates.py --updates "$OUT/claims32.log"; gzip -f "$OUT/claims32.log" ;;
+    allocator-ab)  # SparDA's full-depth low-traffic step is host-bound (a6a025c): most back-to-back steps moved a 3rd
+                   # or 4th allocation of its big graph (1405 commands), and each such update took 6-10 ms on the host
+                   # (~0.1 ms when 2 moved). The same rows under another device allocator (ALLOC, default cuda_async:
+                   # stream-ordered, so a step's temporaries may keep their address), with the same log (~300 s)
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 XLA_PYTHON_CLIENT_ALLOCATOR=${ALLOC:-cuda_async} \
+        timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparda --reuse-fractions --real-miss-rate sparda=0.086 --copy-start doorbell --budget-s 300 \
+        --out "$OUT/decode_alloc_${ALLOC:-cuda_async}.json" 2> "$OUT/alloc.log" | grep -E "^\| SparDA"
+      grep -E "Error|error:" "$OUT/alloc.log" | grep -v "^[IW][0-9]" | head -5
+      python3 scripts/probes/graph_updates.py --updates "$OUT/alloc.log"; gzip -f "$OUT/alloc.log" ;;
     overlap32-doorbell)  # SparDA's full-depth overlap (step, compute alone, copies alone) on reuse, doorbell (~300 s)
       timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 300 \

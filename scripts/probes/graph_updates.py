@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import re
+import statistics
 import sys
 
 MARK = "=== graph_updates step "
@@ -43,6 +44,25 @@ def summarize(lines) -> dict:
             elif _EXECUTE.search(line):
                 steps[cur]["executions"] += 1
     return steps
+
+
+_UPDATED = re.compile(r"Updated command buffer in (\d+) .*num_commands=(\d+)")
+
+
+def update_costs(lines, min_commands: int = 100) -> dict:
+    """Any XLA log with command_buffer_thunk=3 (no markers needed): per (graph's commands, moved
+    allocations), the host microseconds of each re-recording of a graph of >= min_commands."""
+    costs, moved = collections.defaultdict(list), {}
+    for line in lines:
+        m = _UPDATE.search(line)
+        if m:
+            moved[int(m.group(1))] = int(m.group(2))
+            continue
+        m = _UPDATED.search(line)
+        if m and int(m.group(2)) >= min_commands:
+            n = int(m.group(2))
+            costs[(n, moved.get(n))].append(int(m.group(1)))
+    return dict(costs)
 
 
 def run(mode: str, layers: int, steps: int, batch: int, context: int, same_inputs: bool, staging: bool = True) -> None:
@@ -76,7 +96,14 @@ def main(argv=None) -> int:
     p.add_argument("--same-inputs", action="store_true", help="one token/position buffer for every step")
     p.add_argument("--no-staging", action="store_true", help="every layer reads the positions input itself")
     p.add_argument("--summarize", metavar="LOG", help="summarise a log written by a run instead")
+    p.add_argument("--updates", metavar="LOG", help="the big graphs' re-recording costs in any such log")
     a = p.parse_args(argv)
+    if a.updates:
+        with open(a.updates, errors="replace") as f:
+            for (n, k), us in sorted(update_costs(f).items(), key=lambda x: (x[0][0], x[0][1] or 0)):
+                print(f"graph of {n} commands, {k} moved allocations: {len(us)} updates, "
+                      f"median {statistics.median(us):.0f} us, max {max(us)}")
+        return 0
     if a.summarize:
         with open(a.summarize, errors="replace") as f:
             for i, s in summarize(f).items():

@@ -190,12 +190,13 @@ def host_memory_bytes() -> int:
 
 
 def device_memory_limit() -> int | None:
-    """The device allocator's limit (what this process may use), None where unknown (CPU)."""
+    """The device allocator's limit (what this process may use), None where unknown (CPU, and
+    XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async, whose stats report a limit of 0)."""
     try:
         stats = jax.devices()[0].memory_stats() or {}
     except Exception:  # noqa: BLE001 - some backends do not implement it
         return None
-    return stats.get("bytes_limit")
+    return stats.get("bytes_limit") or None
 
 
 def feasibility(full: ModelConfig, mode: str, *, batch: int, context: int, weights: int,

@@ -201,6 +201,17 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         --out "$OUT/decode_alloc_${ALLOC:-cuda_async}.json" 2> "$OUT/alloc.log" | grep -E "^\| SparDA"
       grep -E "Error|error:" "$OUT/alloc.log" | grep -v "^[IW][0-9]" | head -5
       python3 scripts/probes/graph_updates.py --updates "$OUT/alloc.log"; gzip -f "$OUT/alloc.log" ;;
+    temp-color)  # the same, with XLA's temporaries in a memory space of their own (--xla_gpu_temp_buffer_use_separate_color:
+                 # a stream-ordered allocator of their own, "the temp buffer at the fixed address on every iteration").
+                 # At 3e40815 the third allocation that moved is the one the whole big graph reads (its re-recordings cost
+                 # 6-10 ms against ~0.1 ms with 2 moved): if it is the temporaries, this pins it. Sparse beside it (~450 s)
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
+      XLA_FLAGS="${XLA_FLAGS:-}${XLA_FLAGS:+ }--xla_gpu_temp_buffer_use_separate_color=true" \
+        timeout 540 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell \
+        --budget-s 480 --out "$OUT/decode_claims32_tempcolor.json" 2> "$OUT/tempcolor.log" | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse"
+      grep -E "Error|error:|host pool" "$OUT/tempcolor.log" | grep -v "^[IW][0-9]" | head -5
+      python3 scripts/probes/graph_updates.py --updates "$OUT/tempcolor.log"; gzip -f "$OUT/tempcolor.log" ;;
     overlap32-doorbell)  # SparDA's full-depth overlap (step, compute alone, copies alone) on reuse, doorbell (~300 s)
       timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 300 \

@@ -272,6 +272,30 @@ def test_trace_summary_of_a_known_trace():
     assert s["host_api"] == [{"name": "cuLaunchKernel", "s_per_step": pytest.approx(10e-6, rel=1e-9), "calls_per_step": 2}]
 
 
+def test_layer_breakdown_of_a_known_trace():
+    from sparda_jax.bench.profile import layer_breakdown
+
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
+            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "Stream #9"}}]
+    k = lambda ts, dur, name, tid=7: {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name}
+    # three layers between four waits; layer i: a GEMM of 50 + i us, a sort of 10, a fusion of 5,
+    # then a gap before the next wait; the server kernel on stream 9 is not XLA's stream
+    xs, t = [k(0, 20, "doorbell_wait_kernel(Doorbell*, int, int*)")], 20
+    for i in range(3):
+        xs += [k(t + 1, 50 + i, "gemm_fusion_dot_1"), k(t + 60, 10, "sort_3_1"), k(t + 75, 5, "loop_add_fusion"),
+               k(t + 100, 3, "doorbell_wait_kernel(Doorbell*, int, int*)")]
+        t += 103
+    xs.append(k(0, 400, "doorbell_server_kernel", tid=9))
+    r = layer_breakdown({"traceEvents": meta + xs})
+    assert r["layers"] == 3
+    m = r["median_us"]
+    assert m["span"] == 100 and m["kernels"] == 3 and m["matmul"] == 51 and m["sort"] == 10
+    assert m["elementwise"] == 5 and m["gaps"] == 34 and m["copy engine"] == 0
+    with pytest.raises(ValueError, match="no device kernels"):
+        layer_breakdown({"traceEvents": meta[:1]})
+
+
 def test_decode_bench_reports_what_does_not_fit():
     from sparda_jax.bench.engine_state import bench_config, feasibility, weights_bytes
 

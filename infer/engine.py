@@ -315,7 +315,9 @@ def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
     bi = jnp.arange(b)[:, None]
     hi = jnp.arange(kh)[None, :]
     off = (pos % bs)[:, None]
-    return {n: c.at[bi, hi, slot, off].set(new[n].astype(c.dtype)) for n, c in cache_l.items()}
+    # one write per (sequence, KV head), in that order: unique and sorted
+    return {n: c.at[bi, hi, slot, off].set(new[n].astype(c.dtype), unique_indices=True, indices_are_sorted=True)
+            for n, c in cache_l.items()}
 
 
 class _Fetched(struct.PyTreeNode):
@@ -405,7 +407,8 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
         if c.has_cis:
             ccis_l = ccis_l.append(cis_c_new, pos)
         if pk_l is not None:
-            pk_l = pk_l.at[rows, qpos].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), igs[l]))
+            pk_l = pk_l.at[rows, qpos].set(jnp.einsum("BTKD,KDR->BTKR", k.astype(jnp.float32), igs[l]),
+                                           unique_indices=True, indices_are_sorted=True)
         return v, h, q, new, ckeys_l, ccis_l, pk_l, read
 
     def select(mode, v, h, h_prev, q, l, kc, cc, pk_l, first):
@@ -426,7 +429,8 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     pks = state.pk or (None,) * c.num_layers
     x = embed(params, tokens[:, None], c, plan.dtype)
     v0, h0, q0, new0, ck0, cc0, pk0, _ = project(x, layer_params(lps, 0), 0, state.ckeys[0], ccis[0], pks[0])
-    l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype)) for n, a in state.l0.items()}
+    l0 = {n: a.at[rows, qpos].set(new0[n][:, None].astype(a.dtype), unique_indices=True, indices_are_sorted=True)
+          for n, a in state.l0.items()}
     ids0 = select(sel_mode, v0, h0, h0, q0, 0, ck0.kc, cc0, pk0, True)
     pre = None
     if prefetch:  # layer 1's copy runs during layer 0's attention and FFN

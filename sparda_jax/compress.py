@@ -95,10 +95,13 @@ class CompressedKeys:
         """Append one key per sequence: k_new [B, K, D] at positions int [B]."""
         l, s = self.kernel_size, self.stride
         rows = jnp.arange(k_new.shape[0])
-        tail = self.tail.at[rows, positions % l].set(k_new.astype(self.tail.dtype))
+        # one row each, in row order: unique and sorted (XLA's GPU scatter needs neither sorting nor
+        # a serialised write for duplicates)
+        tail = self.tail.at[rows, positions % l].set(k_new.astype(self.tail.dtype), unique_indices=True,
+                                                     indices_are_sorted=True)
         start = positions + 1 - l
         done = (start >= 0) & (start % s == 0)
         c = jnp.where(done, start // s, self.kc.shape[1])  # out of range: dropped
         mean = jnp.mean(tail.astype(jnp.float32), axis=1).astype(self.kc.dtype)
-        kc = self.kc.at[rows, c].set(mean, mode="drop")
+        kc = self.kc.at[rows, c].set(mean, mode="drop", unique_indices=True, indices_are_sorted=True)
         return self.replace(kc=kc, tail=tail)

@@ -10,6 +10,9 @@ is left out of "best"):
   infllmv2_xla     sparda_jax.select.select_blocks_infllmv2 (exact LSE)
   infllmv2_mosaic  kernels/infllmv2_select.py  infllmv2_select
   "<mosaic variant>@<impl>" passes topk_impl=<impl> ("rows" when absent; "bisect" also runs by default)
+  "<xla variant>@mosaic_topk"  the XLA selector with the Mosaic top-k (topk_implementation="mosaic_gpu")
+                   in place of lax.top_k and the ids' sort: decode's two sorts took ~25 us of a
+                   285 us layer on the H200 (bench/results/layer_breakdown_2e96975.json)
 Kernels are imported lazily: one that is missing or fails to compile records why.
 
 Prefill: every variant runs on the same query slice (runs of 512 consecutive queries spread
@@ -38,8 +41,8 @@ from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
 __all__ = ["bench_select", "selector", "id_check", "plot", "table"]
 
 # kernels under test last: a fault that kills the process loses only them (JSON snapshots)
-VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_mosaic", "forecast_mosaic@bisect", "infllmv2_mosaic",
-            "infllmv2_mosaic@bisect")
+VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_xla@mosaic_topk", "infllmv2_xla@mosaic_topk",
+            "forecast_mosaic", "forecast_mosaic@bisect", "infllmv2_mosaic", "infllmv2_mosaic@bisect")
 # Reduced precision only swaps near-tied blocks at the top-k boundary (a few ids in a thousand);
 # a wrong mask or pooling keeps little more than the 34 forced blocks of 96 (agreement ~0.4).
 AGREEMENT_BOUND = 0.95
@@ -53,12 +56,12 @@ def selector(name: str, sparse, n_blocks: int):
     base, _, impl = name.partition("@")
     # implementation="xla" explicitly: the selectors' default picks the Mosaic kernels for prefill on
     # Hopper, which made the 38553b9 run's prefill "xla" rows time the kernels a second time
-    if base == "forecast_xla":
-        return "forecast", functools.partial(select_blocks_forecast, sparse=sparse, n_blocks=n_blocks,
-                                             implementation="xla")
-    if base == "infllmv2_xla":
-        return "infllmv2", functools.partial(select_blocks_infllmv2, sparse=sparse, n_blocks=n_blocks,
-                                             implementation="xla")
+    if base in ("forecast_xla", "infllmv2_xla"):
+        if impl not in ("", "mosaic_topk"):
+            raise ValueError(f"unknown selection variant {name!r}")
+        fam, fn = ("forecast", select_blocks_forecast) if base == "forecast_xla" else ("infllmv2", select_blocks_infllmv2)
+        return fam, functools.partial(fn, sparse=sparse, n_blocks=n_blocks, implementation="xla",
+                                      topk_implementation="mosaic_gpu" if impl else "xla")
     if base == "forecast_mosaic":
         from sparda_jax.kernels.forecast_select import forecast_select
 
@@ -248,8 +251,9 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
                  decode_batches=(4,), repeats: int = 3, variants=None, timed_queries: int = 8192,
                  attention_timed_queries: int = 2048, decode_steps: int = 8, budget_s: float | None = 140.0,
                  max_s: float = 3.0, matmul_n: int = 8192, copy_mib: int = 2048, seed: int = 0,
-                 with_attention: bool = True, out=None, log=None) -> dict:
-    """With `out`, the JSON is rewritten after every variant ("complete": false until the end)."""
+                 with_attention: bool = True, prefill: bool = True, decode: bool = True, out=None, log=None) -> dict:
+    """With `out`, the JSON is rewritten after every variant ("complete": false until the end).
+    prefill / decode: run that phase's cases."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     shape = model_shape(preset)
     variants = tuple(variants or VARIANTS)
@@ -260,6 +264,7 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
               "repeats": repeats, "max_seconds_per_variant": max_s, "variants": list(variants),
               "timed_queries": timed_queries, "attention_timed_queries": attention_timed_queries,
               "decode_steps_per_call": decode_steps, "budget_s": budget_s, "dtype": "bfloat16",
+              "phases": [ph for ph, on in (("prefill", prefill), ("decode", decode)) if on],
               "inputs": "random bf16 q / Forecast; kc = compress_keys of random bf16 keys (a fresh one per "
                         "decode step: each step stands for another layer)",
               "check": f"ids vs the jnp selector (f32, highest precision) on batch element 0: mean "
@@ -296,12 +301,12 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
         snapshot()
         log(f"[select] {phase} T={t} B={b} done at {budget.elapsed():.0f} s")
 
-    for t in lengths:
+    for t in lengths if prefill else ():
         run("prefill", t, batch, prefill_select_case,
             lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu", "mosaic_gpu@simple"),
                                       timed_queries=attention_timed_queries, **attn_kw),
             timed_queries=timed_queries)
-    for t in lengths:
+    for t in lengths if decode else ():
         for b in decode_batches:
             run("decode", t, b, decode_select_case,
                 lambda t, b: decode_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu"), steps=decode_steps,
@@ -380,5 +385,6 @@ def main(args) -> int:
                      decode_batches=tuple(args.decode_batches or (args.batch or 4,)), repeats=args.repeats,
                      variants=args.variants, timed_queries=args.timed_queries or 8192,
                      decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
-                     matmul_n=args.matmul_n, copy_mib=args.copy_mib, out=out)
+                     matmul_n=args.matmul_n, copy_mib=args.copy_mib, prefill=not args.decode_only,
+                     decode=not args.prefill_only, out=out)
     return plot_and_print(r, out, plot, table)

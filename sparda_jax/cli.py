@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--batch", type=int, help="select/attention: prefill batch (default 4)")
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
-    bn.add_argument("--variants", nargs="+", help="select: forecast_xla infllmv2_xla forecast_mosaic[@topk_impl] "
+    bn.add_argument("--variants", nargs="+", help="select: forecast_xla[@mosaic_topk] infllmv2_xla[@mosaic_topk] forecast_mosaic[@topk_impl] "
                                                   "infllmv2_mosaic[@topk_impl]; attention: xla cudnn mosaic_gpu dense_xla")
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
@@ -347,8 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--input-correlation", type=float, default=0.0, metavar="RHO",
                     help="prefill: embedding rows AR(1) with this rho, tokens counting up through them, so the "
                          "inputs are alike along positions as on real text (0: random tokens; in [0, 1))")
-    bn.add_argument("--prefill-only", action="store_true", help="attention: skip the decode cases")
-    bn.add_argument("--decode-only", action="store_true", help="attention: skip the prefill cases")
+    bn.add_argument("--prefill-only", action="store_true", help="attention, select: skip the decode cases")
+    bn.add_argument("--decode-only", action="store_true", help="attention, select: skip the prefill cases")
     bn.add_argument("--copy-group", type=_copy_group, default=1,
                     help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
     bn.add_argument("--copy-start", choices=["lanes", "one", "graph", "doorbell"], default="lanes",

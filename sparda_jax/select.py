@@ -82,8 +82,15 @@ def pool_to_blocks(scores: jax.Array, n_blocks: int, sparse: SparseConfig) -> ja
 
 
 def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
-                  sparse: SparseConfig, force: bool = True) -> jax.Array:
-    """Block scores [B, K, tq, N_b] -> ids [B, K, tq, topk] (forced, causal, sorted, -1 padded)."""
+                  sparse: SparseConfig, force: bool = True, topk_implementation: str = "xla") -> jax.Array:
+    """Block scores [B, K, tq, N_b] -> ids [B, K, tq, topk] (forced, causal, sorted, -1 padded).
+
+    topk_implementation: "xla" (lax.top_k, then a sort of the ids: XLA sorts whole rows for
+    k > 16) or "mosaic_gpu" / "mosaic_gpu_interpret" (the sort-free Mosaic top-k of
+    kernels/forecast_select.py, `select_topk(implementation="rows")`, on the masked scores;
+    <= 2048 blocks). Both give the same ids."""
+    if topk_implementation not in ("xla", "mosaic_gpu", "mosaic_gpu_interpret"):
+        raise ValueError(f"unknown top-k implementation {topk_implementation!r}")
     nb = block_scores.shape[-1]
     q_blk = jnp.where(q_positions >= 0, q_positions // sparse.block_size, -1)[:, None, :, None]
     k = jnp.arange(nb).reshape(1, 1, 1, nb)
@@ -92,6 +99,12 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
     if force:
         forced = candidate & ((k < sparse.init_blocks) | (k >= q_blk - sparse.local_blocks))
         s = jnp.where(forced, INF, s)
+    if topk_implementation != "xla":
+        from sparda_jax.kernels.forecast_select import select_topk
+
+        rows = select_topk(s.reshape(-1, nb).astype(jnp.float32), topk, implementation="rows",
+                           interpret=_interpret(topk_implementation))
+        return rows.reshape(s.shape[:-1] + (topk,))
     if nb < topk:
         s = jnp.pad(s, [(0, 0)] * 3 + [(0, topk - nb)], constant_values=-INF)
     vals, idx = jax.lax.top_k(s, topk)
@@ -200,11 +213,13 @@ def _interpret(implementation):
 
 def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
                            n_blocks: int | None = None, q_chunk: int = 128,
-                           implementation: SelectImpl | None = None) -> jax.Array:
+                           implementation: SelectImpl | None = None,
+                           topk_implementation: SelectImpl = "xla") -> jax.Array:
     """InfLLM-V2 selection from the true queries. q [B, Tq, H, D], kc [B, N_c, K, D] ->
     int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
     `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is an error.
-    implementation: see the module docstring (the kernels take exact LSE only)."""
+    implementation: see the module docstring (the kernels take exact LSE only).
+    topk_implementation: the XLA path's top-k (`finalize_topk`)."""
     _check(q, kc, q_positions, "H")
     if not sparse.exact_lse and kc_coarse is None:
         raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
@@ -218,15 +233,18 @@ def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coars
 
     def one(qc, pc):
         s = infllmv2_chunk_scores(qc, kc, pc, sparse, kc_coarse if not sparse.exact_lse else None)
-        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
+        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse,
+                             topk_implementation=topk_implementation)
 
     return _map_query_chunks(one, q_chunk, q, q_positions)
 
 
 def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
-                           q_chunk: int = 512, implementation: SelectImpl | None = None) -> jax.Array:
+                           q_chunk: int = 512, implementation: SelectImpl | None = None,
+                           topk_implementation: SelectImpl = "xla") -> jax.Array:
     """SparDA selection from the Forecast. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk].
-    implementation: see the module docstring."""
+    implementation: see the module docstring. topk_implementation: the XLA path's top-k
+    (`finalize_topk`)."""
     _check(f, kc, q_positions, "K")
     if f.shape[2] != kc.shape[2]:
         raise ValueError(f"the Forecast has one head per KV head: f {f.shape} vs kc {kc.shape}")
@@ -239,7 +257,8 @@ def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks
 
     def one(fc, pc):
         s = forecast_chunk_scores(fc, kc, pc, sparse)
-        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
+        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse,
+                             topk_implementation=topk_implementation)
 
     return _map_query_chunks(one, q_chunk, f, q_positions)
 

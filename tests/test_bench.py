@@ -272,6 +272,23 @@ def test_trace_summary_of_a_known_trace():
     assert s["host_api"] == [{"name": "cuLaunchKernel", "s_per_step": pytest.approx(10e-6, rel=1e-9), "calls_per_step": 2}]
 
 
+def test_select_bench_decode_only_with_the_topk_kernel_variant(tmp_path):
+    from sparda_jax.bench.select import bench_select, selector
+    from sparda_jax.config import SparseConfig
+
+    r = bench_select("tiny", variants=("forecast_xla", "forecast_xla@mosaic_topk"), prefill=False,
+                     **_tiny_kw(tmp_path, "select_decode"))
+    assert r["config"]["phases"] == ["decode"] and [c["phase"] for c in r["cases"]] == ["decode"]
+    v = r["cases"][0]["variants"]
+    assert v["forecast_xla"]["status"] == "ok"
+    # compiled Mosaic (not interpreted) cannot run on the CPU: the row says why, the run goes on
+    assert v["forecast_xla@mosaic_topk"]["status"] != "ok" or jax.default_backend() == "gpu"
+    fam, fn = selector("infllmv2_xla@mosaic_topk", SparseConfig(), 8)
+    assert fam == "infllmv2" and fn.keywords["topk_implementation"] == "mosaic_gpu"
+    with pytest.raises(ValueError, match="unknown selection variant"):
+        selector("forecast_xla@sort", SparseConfig(), 8)
+
+
 def test_layer_breakdown_of_a_known_trace():
     from sparda_jax.bench.profile import layer_breakdown
 

@@ -132,3 +132,45 @@ def test_selectors_dispatch_to_the_kernels_and_modes_pass_it_on():
     run = lambda impl: forward(params, tok, cfg, mode="sparda", forecast=fcst, dtype=jnp.bfloat16, select_impl=impl,
                                collect_selection=True)[1]["ids"]
     np.testing.assert_array_equal(run("mosaic_gpu_interpret"), run("xla"))
+
+
+def _decode_case(seed, t, b, kh=2, d=64, h=4):
+    """One query per sequence at spread positions (one early: fewer candidates than topk)."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    k = jax.random.normal(ks[0], (b, t, kh, d)).astype(jnp.bfloat16)
+    f = jax.random.normal(ks[1], (b, 1, kh, d)).astype(jnp.bfloat16)
+    q = jax.random.normal(ks[2], (b, 1, h, d)).astype(jnp.bfloat16)
+    pos = jnp.linspace(100, t - 1, b).astype(jnp.int32)[:, None]
+    return f, q, compress_keys(k, 32, 16), pos
+
+
+@pytest.mark.parametrize("selector", ["forecast", "infllmv2"])
+def test_decode_topk_kernel_gives_the_xla_ids(selector):
+    # the XLA selectors with the Mosaic top-k in place of lax.top_k and the ids' sort (the decode
+    # step's two sorts): the same scores, so the same ids exactly, -1 padding included
+    from sparda_jax.select import select_blocks_infllmv2
+
+    sp = SparseConfig(local_blocks=2, topk=9, dense_len=0)
+    f, q, kc, pos = _decode_case(5, t=1280, b=5)
+    fn, x = (select_blocks_forecast, f) if selector == "forecast" else (select_blocks_infllmv2, q)
+    ref = fn(x, kc, pos, sp, implementation="xla")
+    got = jax.jit(functools.partial(fn, sparse=sp, implementation="xla", topk_implementation="mosaic_gpu_interpret"))(
+        x, kc, pos)
+    assert int(jnp.sum(ref[0] < 0)) > 0  # the early query has fewer candidates than topk
+    np.testing.assert_array_equal(got, ref)
+    with pytest.raises(ValueError, match="unknown top-k implementation"):
+        fn(x, kc, pos, sp, implementation="xla", topk_implementation="sort")
+
+
+@pytest.mark.gpu
+def test_compiled_decode_topk_kernel_gives_the_xla_ids():
+    # decode at 128K, batch 8: 2048 blocks a row, the engine's budget (96 with 33 forced)
+    from sparda_jax.select import select_blocks_infllmv2
+
+    sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
+    f, q, kc, pos = _decode_case(6, t=131072, b=8, d=128, h=32)
+    for fn, x in ((select_blocks_forecast, f), (select_blocks_infllmv2, q)):
+        ref = jax.jit(functools.partial(fn, sparse=sp, implementation="xla"))(x, kc, pos)
+        got = jax.jit(functools.partial(fn, sparse=sp, implementation="xla", topk_implementation="mosaic_gpu"))(
+            x, kc, pos)
+        np.testing.assert_array_equal(got, ref)

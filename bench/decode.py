@@ -100,7 +100,7 @@ class _Ctx:
     """What every configuration of one run shares: configs, weights, extras, references."""
 
     def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = True,
-                 graph_scheduling: str | None = None):
+                 graph_scheduling: str | None = None, topk_impl: str = "xla"):
         self.cfg, self.full = bench_config(preset, layers)
         self.params = make_params(self.cfg, seed)  # stacked: the resident reference's scan reads these
         if weights not in ("layered", "stacked"):
@@ -110,6 +110,7 @@ class _Ctx:
         self.step_params = layered_params(self.params) if weights == "layered" else self.params
         self.copy_in_graph = copy_in_graph  # the engine's `copy_in_graph`, for every row of the run
         self.graph_scheduling = graph_scheduling  # the engine's `graph_scheduling`, likewise
+        self.topk_impl = topk_impl  # the engine's `topk_impl`, likewise
         self.extras = make_extras(self.cfg, modes, seed)
         self.weights_full = weights_bytes(self.full)
         self.seed = seed
@@ -166,7 +167,7 @@ def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = F
         return engine_decode_step(ctx.step_params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
                                   num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group,
                                   copy_start=copy_start, copy_in_graph=ctx.copy_in_graph,
-                                  graph_scheduling=ctx.graph_scheduling, **kw)
+                                  graph_scheduling=ctx.graph_scheduling, topk_impl=ctx.topk_impl, **kw)
     return step
 
 
@@ -583,7 +584,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  overlap: bool = False, copy_group: int = 1,
                  copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = True,
                  graph_scheduling: str | None = None, marginal_layers: int | None = None,
-                 validate_layers: int | None = None, seed: int = 0, out=None, log=None) -> dict:
+                 validate_layers: int | None = None, topk_impl: str = "xla", seed: int = 0, out=None,
+                 log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
     (with profile_reuse, of their reuse rows too)
@@ -613,7 +615,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             r["ceilings_error"] = unavailable(e)
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
-    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph, graph_scheduling)
+    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph, graph_scheduling, topk_impl=topk_impl)
     for name, n in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
         if n is not None and not 2 <= n <= ctx.full.num_layers:  # the engine keeps layer 0 on the device
             raise ValueError(f"{name}={n}: need 2 to {ctx.full.num_layers} (the preset's layers)")
@@ -621,12 +623,13 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
     if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):
         raise ValueError("validate_layers needs marginal_layers and more layers than the layers timed")
-    ctx_lo = _Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling) if marginal_layers else None
+    ctx_lo = (_Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling,
+                   topk_impl=topk_impl) if marginal_layers else None)
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
                               copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
                               copy_start=copy_start, weights=weights, copy_in_graph=copy_in_graph,
-                              graph_scheduling=graph_scheduling, marginal_layers=marginal_layers,
+                              graph_scheduling=graph_scheduling, marginal_layers=marginal_layers, topk_impl=topk_impl,
                               validate_layers=validate_layers)
     if real_model:
         try:
@@ -679,7 +682,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     def validate(rec, mode, t, b, again):
         """The estimate's prediction for validate_layers layers against a row timed with them."""
         if not ctx_v:
-            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling))
+            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling,
+                              topk_impl=topk_impl))
         x = decode_config(ctx_v[0], mode, t, b, **again)
         if x.get("status") != "ok":
             return {"layers": validate_layers, "status": x.get("status")}
@@ -1013,6 +1017,6 @@ def main(args) -> int:
                          copy_group=args.copy_group,
                          copy_start=args.copy_start, weights=args.weights, copy_in_graph=args.copy_in_graph,
                          graph_scheduling=args.graph_scheduling, marginal_layers=args.marginal_layers,
-                         validate_layers=args.validate_layers, out=out)
+                         validate_layers=args.validate_layers, topk_impl=args.topk_impl, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

@@ -179,6 +179,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
 
 COPY_STARTS = ("lanes", "one", "graph", "doorbell")
 GRAPH_SCHEDULINGS = ("LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT")
+TOPK_IMPLS = ("xla", "mosaic_gpu", "mosaic_gpu_interpret")  # the selectors' top-k (`_EnginePlan.topk_impl`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,6 +203,9 @@ class _EnginePlan:
     # XLA's xla_gpu_command_buffer_scheduling_mode for the step (None: XLA's own, except that
     # copy_start "graph" needs CONCURRENT: see `_scheduling`)
     graph_scheduling: str | None = None
+    # the selectors' top-k (`sparda_jax.select.finalize_topk`): "xla" (lax.top_k and a sort of
+    # the ids) or "mosaic_gpu" (the sort-free Mosaic kernel; "mosaic_gpu_interpret" on the CPU)
+    topk_impl: str = "xla"
 
 
 def _copy_tasks(plan, host: dict, layer, a, ids, n_slots: int):
@@ -415,7 +419,8 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
         sel_in = selector_input(c, mode, plan.dtype, layer, v, h, h_prev, None if sels is None else sels[l],
                                 None if igs is None else igs[l], cos, sin, first)
         keys = KeySide(None, None, kc, None, cis_c(cc), pk_l)
-        return select_for_mode(c, mode, q, keys, qpos, sel_in, first, n_blocks)[:, :, 0]
+        return select_for_mode(c, mode, q, keys, qpos, sel_in, first, n_blocks,
+                               topk_implementation=plan.topk_impl)[:, :, 0]
 
     def prefetch_next(h, l_next, table, cache_l, ckeys_next, ccis_next, active=True, job=None):
         """sparda: F_l (kernel l+1) against layer l+1's compressed keys, before layer l+1 has
@@ -584,7 +589,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
                        infinigen=None, dtype=jnp.float32, reuse: bool = True, copy_impl: str | None = None,
                        num_ctas: int | str | None = None, attention_impl: str | None = None,
                        skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
-                       copy_in_graph: bool = True, graph_scheduling: str | None = None):
+                       copy_in_graph: bool = True, graph_scheduling: str | None = None, topk_impl: str = "xla"):
     """One token per sequence in any engine mode. Returns (logits [B, V], state, stats) where
     stats counts the blocks copied from the host and the blocks selected (layers >= 1).
 
@@ -621,7 +626,9 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     on the H200); at full depth, batch 8, 128K it took Sparse's whole step into one graph and
     its host time from 10.4 to 6.2 ms (bench/results/decode_depth_graph.json against
     decode_b8_32layers.json, two calls). The asynchronous starts and waits of "sparda" stay cuts.
-    False: the calls of before, cut points of XLA's graphs."""
+    False: the calls of before, cut points of XLA's graphs.
+    topk_impl: the selectors' top-k, "xla" or "mosaic_gpu" (Hopper; "mosaic_gpu_interpret" on the
+    CPU): the same ids (`sparda_jax.select.finalize_topk`); the offload modes only."""
     sel = selector_of(mode)
     check_layers(params, config)
     if mode in RESIDENT_MODES:  # a stacked state is split once; the layered one comes back
@@ -637,14 +644,16 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
                          "(local_blocks * block_size >= kernel_size)")
     plan = decode_plan(config, mode, state.cache, dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
                        attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,
-                       copy_start=copy_start, copy_in_graph=copy_in_graph, graph_scheduling=graph_scheduling)
+                       copy_start=copy_start, copy_in_graph=copy_in_graph, graph_scheduling=graph_scheduling,
+                       topk_impl=topk_impl)
     return _decode_program(plan)(params, tokens, positions, state, forecast, infinigen, plan=plan)
 
 
 def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,
                 copy_impl: str | None = None, num_ctas: int | str | None = None, attention_impl: str | None = None,
                 skip_copies: bool = False, copy_group: int = COPY_GROUP, copy_start: str = "lanes",
-                copy_in_graph: bool = True, graph_scheduling: str | None = None) -> _EnginePlan:
+                copy_in_graph: bool = True, graph_scheduling: str | None = None,
+                topk_impl: str = "xla") -> _EnginePlan:
     """The frozen plan `engine_decode_step` runs with (its defaults resolved) for an offload
     state's block cache `cache` (per layer {payload: [B, K, n_slots, bs, X]}); public so that a
     benchmark can copy with exactly the engine's implementation and CTA quota."""
@@ -667,8 +676,10 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
         raise ValueError("copy_start 'graph' is the in-graph gather: it needs copy_in_graph=True")
     if graph_scheduling is not None and graph_scheduling not in GRAPH_SCHEDULINGS:
         raise ValueError(f"graph_scheduling must be None or one of {GRAPH_SCHEDULINGS}, got {graph_scheduling!r}")
+    if topk_impl not in TOPK_IMPLS:
+        raise ValueError(f"topk_impl must be one of {TOPK_IMPLS}, got {topk_impl!r}")
     return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, copy_group,
-                       copy_start, skip_copies, bool(copy_in_graph), graph_scheduling)
+                       copy_start, skip_copies, bool(copy_in_graph), graph_scheduling, topk_impl)
 
 
 def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,

@@ -101,8 +101,10 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
       timeout 500 python3 -m sparda_jax.cli bench select --budget-s 420 --out "$OUT/select.json" 2>&1 | tail -30 ;;
     select-decode)  # decode selection alone, 128K, batch 8 and 16: the XLA selectors with lax.top_k and the ids' sort
                     # (the decode step's ~25 us of sorts a layer, layer_breakdown_2e96975) against the same with the
-                    # Mosaic top-k (@mosaic_topk); the decode top-k test compiled first (~90 s)
-      timeout 90 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernel_select.py -k decode_topk 2>&1 | tail -2
+                    # Mosaic top-k (@mosaic_topk); its GPU tests first, in the selectors and in the engine's step
+                    # (~150 s); if it wins, the claims again with `bench decode --topk-impl mosaic_gpu`
+      timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernel_select.py tests/test_engine.py \
+        -k "decode_topk or topk_kernel_equals" 2>&1 | tail -2
       timeout 240 python3 -m sparda_jax.cli bench select --decode-only --lengths 131072 --decode-batches 8 16 \
         --variants forecast_xla forecast_xla@mosaic_topk infllmv2_xla infllmv2_xla@mosaic_topk --budget-s 200 \
         --out "$OUT/select_decode_topk.json" 2>&1 | tail -12 ;;

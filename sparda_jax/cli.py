@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
+    bn.add_argument("--topk-impl", choices=["xla", "mosaic_gpu"], default="xla",
+                    help="decode: the selectors' top-k in the engine's step (the engine's topk_impl): XLA's "
+                         "lax.top_k and sort, or the sort-free Mosaic kernel (Hopper)")
     bn.add_argument("--copy-in-graph", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: the synchronous gather and the write-back as custom calls XLA may record into "
                          "its CUDA graphs (the engine's copy_in_graph, default); --no-copy-in-graph: graph cuts")

@@ -82,19 +82,20 @@ class KeySide(struct.PyTreeNode):
 
 
 def select_for_mode(c: ModelConfig, mode: str, q, keys: KeySide, positions, sel_in, first, n_blocks: int,
-                    implementation: str | None = None):
+                    implementation: str | None = None, topk_implementation: str = "xla"):
     """The block ids [B, K, T, topk] that `mode` selects for one layer (NOSA's cis stage
     included). sel_in: `selector_input`'s output; first: traced bool, layer 0;
-    implementation: the InfLLM-V2 and Forecast selectors' (InfiniGen's is jnp only)."""
+    implementation, topk_implementation: the InfLLM-V2 and Forecast selectors' (InfiniGen's is
+    jnp only)."""
     sp = c.sparse
     stage1 = dataclasses.replace(sp, topk=sp.nosa_qk_topk) if c.has_cis else sp
     own = lambda: select_blocks_infllmv2(q, keys.kc, positions, stage1, n_blocks=n_blocks,
-                                         implementation=implementation)
+                                         implementation=implementation, topk_implementation=topk_implementation)
     if mode == "sparse":
         ids = own()
     elif mode == "sparda":
         ids = select_blocks_forecast(sel_in, keys.kc, positions, stage1, n_blocks=n_blocks,
-                                     implementation=implementation)
+                                     implementation=implementation, topk_implementation=topk_implementation)
     else:  # infinigen: layer 0 selects from its own queries, later layers from the partial queries
         ids = jax.lax.cond(first, own, lambda: select_blocks_infinigen(sel_in, keys.pk, positions, stage1,
                                                                        head_dim=c.head_dim, n_blocks=n_blocks))

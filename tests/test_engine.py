@@ -40,7 +40,7 @@ def setup_nosa():
 
 
 def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None,
-         copy_start="lanes", copy_in_graph=False):
+         copy_start="lanes", copy_in_graph=False, topk_impl="xla"):
     params, forecast, ig = setup
     b, t0 = 2, 70
     tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
@@ -61,12 +61,38 @@ def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, con
         else:
             logits, st, stats = engine_decode_step(params, tok, pos, st, config, mode=mode, reuse=reuse,
                                                    copy_impl=copy_impl, copy_start=copy_start,
-                                                   copy_in_graph=copy_in_graph, **kw)
+                                                   copy_in_graph=copy_in_graph, topk_impl=topk_impl, **kw)
             copied += int(stats["copied_blocks"])
             selected += int(stats["selected_blocks"])
         out.append(logits)
         pos = pos + 1
     return jnp.stack(out), copied, selected
+
+
+@pytest.mark.parametrize("mode", ["sparse", "sparda"])
+def test_topk_impl_reaches_every_layers_selection(setup, mode, monkeypatch):
+    # topk_impl takes the step's selections through the Mosaic top-k's entry point. The kernel
+    # itself cannot run inside the step on the CPU (its interpreter's callbacks and the step's
+    # donated state do not lower together), so here it is stood in for by its jnp reference;
+    # tests/test_kernel_select.py checks the kernel against XLA's top-k id for id (interpreted,
+    # and compiled on the GPU), and the GPU test below runs it in the step
+    from sparda_jax.kernels import forecast_select as fs
+
+    calls = []
+
+    def stand_in(scores, k, *, implementation, interpret):
+        calls.append((scores.shape, implementation))
+        return fs.topk_reference(scores, k)
+
+    monkeypatch.setattr(fs, "select_topk", stand_in)
+    ref, c0, s0 = _run(setup, mode, steps=20)
+    assert not calls
+    got, c1, s1 = _run(setup, mode, steps=20, topk_impl="mosaic_gpu_interpret")
+    assert calls and all(impl == "rows" for _, impl in calls)
+    assert (c1, s1) == (c0, s0) and c0 > 0
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    with pytest.raises(ValueError, match="topk_impl must be one of"):
+        _run(setup, mode, steps=13, topk_impl="sort")
 
 
 @pytest.mark.parametrize("mode", ["sparse", "sparda_sync", "sparda", "infinigen"])
@@ -198,6 +224,18 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start, copy_
     cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", copy_start=copy_start, copy_in_graph=copy_in_graph)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     np.testing.assert_allclose(cuda, ref, atol=2e-5)
+    assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "doorbell")])
+def test_cuda_step_with_the_topk_kernel_equals_xla_topk(setup, mode, copy_start):
+    """The compiled Mosaic top-k in the GPU step (topk_impl="mosaic_gpu") selects XLA's blocks:
+    the same copies and logits."""
+    kw = dict(copy_impl="cuda", copy_start=copy_start, copy_in_graph=True, steps=30)
+    got, c1, s1 = _run(setup, mode, topk_impl="mosaic_gpu", **kw)
+    ref, c0, s0 = _run(setup, mode, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 

@@ -114,7 +114,6 @@ def test_compiled_topk_is_exact(impl):
 def test_selectors_dispatch_to_the_kernels_and_modes_pass_it_on():
     # select_blocks_*(implementation=...) reaches the kernels; modes.forward(select_impl=...)
     # reaches the selectors: with the interpreter, both equal the jnp path id for id.
-    import dataclasses
 
     from sparda_jax import get_preset, init_forecast, init_model
     from sparda_jax.modes import forward

@@ -42,6 +42,7 @@ from sparda_jax.model import (DecoderLayer, check_layers, embed, layer_params, p
                               unembed)
 from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
 from sparda_jax.runtime import warn_if_default_launch_queues
+from sparda_jax.select import TOPK_IMPLEMENTATIONS
 
 from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, autotune_num_ctas, doorbell_serve,
                                             gather_blocks, gather_blocks_ring, gather_blocks_ring_wait,
@@ -179,7 +180,6 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, *, mode: str, c
 
 COPY_STARTS = ("lanes", "one", "graph", "doorbell")
 GRAPH_SCHEDULINGS = ("LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT")
-TOPK_IMPLS = ("xla", "mosaic_gpu", "mosaic_gpu_interpret")  # the selectors' top-k (`_EnginePlan.topk_impl`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -676,8 +676,8 @@ def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float3
         raise ValueError("copy_start 'graph' is the in-graph gather: it needs copy_in_graph=True")
     if graph_scheduling is not None and graph_scheduling not in GRAPH_SCHEDULINGS:
         raise ValueError(f"graph_scheduling must be None or one of {GRAPH_SCHEDULINGS}, got {graph_scheduling!r}")
-    if topk_impl not in TOPK_IMPLS:
-        raise ValueError(f"topk_impl must be one of {TOPK_IMPLS}, got {topk_impl!r}")
+    if topk_impl not in TOPK_IMPLEMENTATIONS:  # said here, before a trace
+        raise ValueError(f"topk_impl must be one of {TOPK_IMPLEMENTATIONS}, got {topk_impl!r}")
     return _EnginePlan(config, mode, jnp.dtype(dtype), reuse, copy_impl, num_ctas, attention_impl, copy_group,
                        copy_start, skip_copies, bool(copy_in_graph), graph_scheduling, topk_impl)
 

@@ -334,8 +334,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--batch", type=int, help="select/attention: prefill batch (default 4)")
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
-    bn.add_argument("--variants", nargs="+", help="select: forecast_xla[@mosaic_topk] infllmv2_xla[@mosaic_topk] forecast_mosaic[@topk_impl] "
-                                                  "infllmv2_mosaic[@topk_impl]; attention: xla cudnn mosaic_gpu dense_xla")
+    bn.add_argument("--variants", nargs="+", help="select: forecast_xla[@mosaic_topk] infllmv2_xla[@mosaic_topk] "
+                                                  "forecast_mosaic[@topk_impl] infllmv2_mosaic[@topk_impl]; "
+                                                  "attention: xla cudnn mosaic_gpu dense_xla")
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
     bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")

@@ -41,6 +41,7 @@ __all__ = [
     "n_blocks_for",
     "pool_to_blocks",
     "finalize_topk",
+    "TOPK_IMPLEMENTATIONS",
     "infllmv2_chunk_scores",
     "forecast_chunk_scores",
     "select_blocks_infllmv2",
@@ -53,6 +54,8 @@ __all__ = [
 ]
 
 INF = jnp.inf
+# `finalize_topk`'s top-k: lax.top_k, or the sort-free Mosaic kernel (compiled, or interpreted on the CPU)
+TOPK_IMPLEMENTATIONS = ("xla", "mosaic_gpu", "mosaic_gpu_interpret")
 
 
 def n_blocks_for(n_chunks: int, sparse: SparseConfig) -> int:
@@ -89,7 +92,7 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
     k > 16) or "mosaic_gpu" / "mosaic_gpu_interpret" (the sort-free Mosaic top-k of
     kernels/forecast_select.py, `select_topk(implementation="rows")`, on the masked scores;
     <= 2048 blocks). Both give the same ids."""
-    if topk_implementation not in ("xla", "mosaic_gpu", "mosaic_gpu_interpret"):
+    if topk_implementation not in TOPK_IMPLEMENTATIONS:
         raise ValueError(f"unknown top-k implementation {topk_implementation!r}")
     nb = block_scores.shape[-1]
     q_blk = jnp.where(q_positions >= 0, q_positions // sparse.block_size, -1)[:, None, :, None]

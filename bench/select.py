@@ -59,7 +59,8 @@ def selector(name: str, sparse, n_blocks: int):
     if base in ("forecast_xla", "infllmv2_xla"):
         if impl not in ("", "mosaic_topk"):
             raise ValueError(f"unknown selection variant {name!r}")
-        fam, fn = ("forecast", select_blocks_forecast) if base == "forecast_xla" else ("infllmv2", select_blocks_infllmv2)
+        fam, fn = (("forecast", select_blocks_forecast) if base == "forecast_xla"
+                   else ("infllmv2", select_blocks_infllmv2))
         return fam, functools.partial(fn, sparse=sparse, n_blocks=n_blocks, implementation="xla",
                                       topk_implementation="mosaic_gpu" if impl else "xla")
     if base == "forecast_mosaic":

@@ -214,3 +214,17 @@ def test_graph_updates_counts_re_recordings_per_step():
     assert s[0] == {"executions": 1, "updates": 0, "updated": {}}
     assert s[1]["executions"] == 2 and s[1]["updates"] == 1 and s[1]["updated"] == {(40, 2): 1}
     assert s[2]["executions"] == 0
+
+
+def test_graph_update_costs_pair_each_update_with_its_moved_allocations():
+    # XLA's command_buffer_thunk=3 lines, as in bench/results/graph_updates/*.log.gz: two graphs
+    # interleaved; small graphs (< 100 commands) are left out
+    g = _load("graph_updates")
+    head = "I1202 16:53:46.933481     587 command_buffer_thunk.cc:336] [0] Create/Update command buffer by "
+    upd = lambda n, a: (head + f"recoding command buffer cmd sequence after 1 executions since last update; "
+                        f"num_commands={n}; updated_allocs={a}; is_first_record=false; needs_update=true")
+    done = lambda n, us: ("I1202 16:53:46.943358     587 command_buffer_thunk.cc:362] [0] Updated command buffer "
+                          f"in {us} μs; num_commands={n}")
+    log = [upd(1405, 3), upd(5, 2), done(5, 20), done(1405, 6230), upd(1405, 2), done(1405, 121), upd(1405, 3),
+           done(1405, 7000)]
+    assert g.update_costs(log) == {(1405, 3): [6230, 7000], (1405, 2): [121]}

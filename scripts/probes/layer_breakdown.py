@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     with gzip.open(a.trace) as f:
         r = layer_breakdown(json.load(f), a.marker)
     m = re.search(r"_([0-9a-f]{7,40})\.trace\.json\.gz$", a.trace)
-    r.update(trace=a.trace, trace_commit=m.group(1) if m else None,
-             kinds={k: list(v) for k, v in KERNEL_KINDS}, command=" ".join(["scripts/probes/layer_breakdown.py"] + sys.argv[1:]))
+    r.update(trace=a.trace, trace_commit=m.group(1) if m else None, kinds={k: list(v) for k, v in KERNEL_KINDS},
+             command=" ".join(["scripts/probes/layer_breakdown.py"] + sys.argv[1:]))
     print(json.dumps(r["median_us"]))
     if a.out:
         with open(a.out, "w") as f:

@@ -4,6 +4,16 @@
 # needs SmolLM2: eval-tasks, train).
 set -u
 OUT=${OUT:-/tmp/out}
+# A full-depth decode run with XLA's command-buffer log beside it (stderr), then the step's big graphs'
+# re-recording costs by moved allocations (scripts/probes/graph_updates.py --updates); the log is kept gzipped.
+#   [VAR=value ...] logged_decode NAME TIMEOUT TABLE_PATTERN <bench decode args>  ->  $OUT/decode_NAME.json
+logged_decode() {
+  local name=$1 t=$2 pat=$3; shift 3
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout "$t" python3 -m sparda_jax.cli bench decode \
+    "$@" --out "$OUT/decode_$name.json" 2> "$OUT/$name.log" | grep -E "$pat"
+  grep -iE "warning|error:|host pool" "$OUT/$name.log" | grep -v "^[IWE][0-9]" | head -5
+  python3 scripts/probes/graph_updates.py --updates "$OUT/$name.log"; gzip -f "$OUT/$name.log"
+}
 for stage in "$@"; do
   case "$stage" in
     tests)       # every GPU-marked test (kernels, copy engine, engine, cuDNN); ~150 s when all compile
@@ -192,35 +202,26 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
                       # it, random traffic and SmolLM2's miss rates, each row's host_period_seconds (host-bound or
                       # not) (~450 s: at a6a025c Sparse's three rows took 192 s, weights, ceilings and compile included,
                       # and SparDA's first call was still compiling when a 300 s limit cut it)
-      # XLA's command-buffer log beside it: each graph update's time and moved allocations at 32 layers
-      # (at 16, updates that moved 2 allocations took ~0.1 ms, 3-4 moved 1.5-4.8 ms: graph_updates/record_profile)
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 timeout 540 python3 -m sparda_jax.cli bench decode \
-        --lengths 131072 --batches 8 --layers 32 --repeats 12 \
-        --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell \
-        --budget-s 480 --out "$OUT/decode_claims32_doorbell.json" 2> "$OUT/claims32.log" | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse"
-      grep -iE "warning" "$OUT/claims32.log" | grep -v "^[IW][0-9]" | head -5
-      python3 scripts/probes/graph_updates.py --updates "$OUT/claims32.log"; gzip -f "$OUT/claims32.log" ;;
+      # XLA's log beside it: each graph update's time and moved allocations at 32 layers (at 16, updates
+      # that moved 2 allocations took ~0.1 ms, 3-4 moved 1.5-4.8 ms: graph_updates/record_profile)
+      logged_decode claims32_doorbell 540 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
+        --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
+        --copy-start doorbell --budget-s 480 ;;
     allocator-ab)  # SparDA's full-depth low-traffic step is host-bound (a6a025c): most back-to-back steps moved a 3rd
                    # or 4th allocation of its big graph (1405 commands), and each such update took 6-10 ms on the host
                    # (~0.1 ms when 2 moved). The same rows under another device allocator (ALLOC, default cuda_async:
                    # stream-ordered, so a step's temporaries may keep their address), with the same log (~300 s)
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 XLA_PYTHON_CLIENT_ALLOCATOR=${ALLOC:-cuda_async} \
-        timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
-        --modes sparda --reuse-fractions --real-miss-rate sparda=0.086 --copy-start doorbell --budget-s 300 \
-        --out "$OUT/decode_alloc_${ALLOC:-cuda_async}.json" 2> "$OUT/alloc.log" | grep -E "^\| SparDA"
-      grep -E "Error|error:" "$OUT/alloc.log" | grep -v "^[IW][0-9]" | head -5
-      python3 scripts/probes/graph_updates.py --updates "$OUT/alloc.log"; gzip -f "$OUT/alloc.log" ;;
+      XLA_PYTHON_CLIENT_ALLOCATOR=${ALLOC:-cuda_async} logged_decode alloc_${ALLOC:-cuda_async} 330 "^\| SparDA" \
+        --lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparda --reuse-fractions \
+        --real-miss-rate sparda=0.086 --copy-start doorbell --budget-s 300 ;;
     temp-color)  # the same, with XLA's temporaries in a memory space of their own (--xla_gpu_temp_buffer_use_separate_color:
                  # a stream-ordered allocator of their own, "the temp buffer at the fixed address on every iteration").
                  # At 3e40815 the third allocation that moved is the one the whole big graph reads (its re-recordings cost
                  # 6-10 ms against ~0.1 ms with 2 moved): if it is the temporaries, this pins it. Sparse beside it (~450 s)
-      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3 \
       XLA_FLAGS="${XLA_FLAGS:-}${XLA_FLAGS:+ }--xla_gpu_temp_buffer_use_separate_color=true" \
-        timeout 540 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
-        --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell \
-        --budget-s 480 --out "$OUT/decode_claims32_tempcolor.json" 2> "$OUT/tempcolor.log" | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse"
-      grep -E "Error|error:|host pool" "$OUT/tempcolor.log" | grep -v "^[IW][0-9]" | head -5
-      python3 scripts/probes/graph_updates.py --updates "$OUT/tempcolor.log"; gzip -f "$OUT/tempcolor.log" ;;
+        logged_decode claims32_tempcolor 540 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
+        --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
+        --copy-start doorbell --budget-s 480 ;;
     overlap32-doorbell)  # SparDA's full-depth overlap (step, compute alone, copies alone) on reuse, doorbell (~300 s)
       timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 300 \

@@ -231,12 +231,14 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start, copy_
 @pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "doorbell")])
 def test_cuda_step_with_the_topk_kernel_equals_xla_topk(setup, mode, copy_start):
     """The compiled Mosaic top-k in the GPU step (topk_impl="mosaic_gpu") selects XLA's blocks:
-    the same copies and logits."""
+    the same copies exactly, and the logits of the same blocks. Those are compared as the CUDA
+    copy test compares them (atol 2e-5): the two programs are fused apart by XLA, which may order
+    float sums differently around the swapped top-k."""
     kw = dict(copy_impl="cuda", copy_start=copy_start, copy_in_graph=True, steps=30)
     got, c1, s1 = _run(setup, mode, topk_impl="mosaic_gpu", **kw)
     ref, c0, s0 = _run(setup, mode, **kw)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
 
 
 @pytest.mark.gpu

@@ -222,6 +222,23 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
         logged_decode claims32_tempcolor 540 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
         --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
         --copy-start doorbell --budget-s 480 ;;
+    cmdbuf-off32)  # the claims at full depth without XLA's command buffers (CUDA graphs): the host then launches
+                   # each of the step's ~1400 kernels, but no graph is re-recorded; with graphs SparDA's reuse steps
+                   # spent 6-10 ms re-recording theirs (3e40815) and the temporaries' own color made every step
+                   # host-bound (422126b, decode_claims32_tempcolor.json). Sparse beside it (~300 s)
+      XLA_FLAGS="${XLA_FLAGS:-}${XLA_FLAGS:+ }--xla_gpu_enable_command_buffer=" timeout 420 python3 -m sparda_jax.cli \
+        bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions \
+        --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --budget-s 380 \
+        --out "$OUT/decode_claims32_cmdbuf_off.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse|warning|rror" ;;
+    prealloc32)  # the same rows with graphs, the device allocator's arena preallocated (PREALLOC_FRACTION of the GPU,
+                 # default 0.90) instead of grown on demand: do fewer of the step's allocations move? (~300 s)
+      XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=${PREALLOC_FRACTION:-0.90} \
+        logged_decode claims32_prealloc 420 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
+        --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
+        --copy-start doorbell --budget-s 380 ;;
+    topk-test)  # the Mosaic top-k's selector GPU test alone, with its failure's lines (~80 s)
+      timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernel_select.py \
+        -k "compiled_decode_topk" 2>&1 | grep -E "Error|assert|Mismatch|passed|failed" | head -12 ;;
     overlap32-doorbell)  # SparDA's full-depth overlap (step, compute alone, copies alone) on reuse, doorbell (~300 s)
       timeout 330 python3 -m sparda_jax.cli bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 \
         --modes sparda --reuse-fractions 0.88 --overlap --copy-start doorbell --budget-s 300 \

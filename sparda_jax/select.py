@@ -103,8 +103,12 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
         forced = candidate & ((k < sparse.init_blocks) | (k >= q_blk - sparse.local_blocks))
         s = jnp.where(forced, INF, s)
     if topk_implementation != "xla":
-        from sparda_jax.kernels.forecast_select import select_topk
+        from sparda_jax.kernels.forecast_select import MAX_BLOCKS, select_topk
 
+        if nb > MAX_BLOCKS:
+            # at T = 128K kc's length admits 2049 blocks (n_blocks_for), one more than the kernel's row
+            raise ValueError(f"the Mosaic top-k takes rows of <= {MAX_BLOCKS} blocks, got {nb}: pass "
+                             f"n_blocks=T // {sparse.block_size} to the selector (the engine does)")
         rows = select_topk(s.reshape(-1, nb).astype(jnp.float32), topk, implementation="rows",
                            interpret=_interpret(topk_implementation))
         return rows.reshape(s.shape[:-1] + (topk,))

@@ -161,15 +161,49 @@ def test_decode_topk_kernel_gives_the_xla_ids(selector):
         fn(x, kc, pos, sp, implementation="xla", topk_implementation="sort")
 
 
+def _host_topk(bs, pos, sp):
+    """finalize_topk's contract in numpy: causal, init and local blocks forced, the top scores with
+    ties to the lower id (a stable sort), ids ascending, -1 padded. Also the masked scores."""
+    bs = np.array(bs, np.float32)
+    nb = bs.shape[-1]
+    k = np.arange(nb)
+    ids = np.full(bs.shape[:-1] + (sp.topk,), -1, np.int32)
+    for b, h, i in np.ndindex(*bs.shape[:-1]):
+        qb = int(pos[b, i]) // sp.block_size
+        s = bs[b, h, i]
+        s[k > qb] = -np.inf
+        s[(k <= qb) & ((k < sp.init_blocks) | (k >= qb - sp.local_blocks))] = np.inf
+        top = np.argsort(-s, kind="stable")[:sp.topk]
+        top = np.sort(top[s[top] > -np.inf])
+        ids[b, h, i, :len(top)] = top
+    return ids, bs
+
+
+def _picked_scores(ids, masked):
+    return np.sort(np.where(ids >= 0, np.take_along_axis(masked, np.maximum(ids, 0), -1), -np.inf), -1)
+
+
 @pytest.mark.gpu
 def test_compiled_decode_topk_kernel_gives_the_xla_ids():
-    # decode at 128K, batch 8: 2048 blocks a row, the engine's budget (96 with 33 forced)
-    from sparda_jax.select import select_blocks_infllmv2
+    # decode at 128K, batch 8, the engine's budget (96 with 33 forced) and its 2048 blocks a row:
+    # n_blocks_for's bound from kc's length admits 2049 at 128K, which the kernel's row cannot hold
+    # (the first GPU run of this test failed on that), so a clear error without n_blocks.
+    # The scores are max-pooled, so equal scores at the k-th place occur (1 and 3 of this case's 14
+    # full rows, counted on the CPU). The kernel breaks them to the lower id, as its contract and a
+    # host stable sort do: equal ids exactly. lax.top_k's order among ties on the GPU is not part of
+    # its contract, so XLA's ids must only pick the same scores. Both top-ks read one scores array.
+    from sparda_jax.select import finalize_topk, forecast_chunk_scores, infllmv2_chunk_scores, pool_to_blocks
 
     sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
-    f, q, kc, pos = _decode_case(6, t=131072, b=8, d=128, h=32)
-    for fn, x in ((select_blocks_forecast, f), (select_blocks_infllmv2, q)):
-        ref = jax.jit(functools.partial(fn, sparse=sp, implementation="xla"))(x, kc, pos)
-        got = jax.jit(functools.partial(fn, sparse=sp, implementation="xla", topk_implementation="mosaic_gpu"))(
-            x, kc, pos)
-        np.testing.assert_array_equal(got, ref)
+    t = 131072
+    nb = t // sp.block_size
+    f, q, kc, pos = _decode_case(6, t=t, b=8, d=128, h=32)
+    with pytest.raises(ValueError, match="n_blocks=T // 64"):
+        select_blocks_forecast(f, kc, pos, sp, implementation="xla", topk_implementation="mosaic_gpu")
+    for chunk_scores, x in ((forecast_chunk_scores, f), (infllmv2_chunk_scores, q)):
+        bs = jax.jit(lambda x, c=chunk_scores: pool_to_blocks(c(x, kc, pos, sp), nb, sp))(x)
+        got, ref = (jax.jit(functools.partial(finalize_topk, topk=sp.topk, sparse=sp, topk_implementation=impl))(
+            bs, pos) for impl in ("mosaic_gpu", "xla"))
+        want, masked = _host_topk(bs, np.asarray(pos), sp)
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(_picked_scores(np.asarray(ref), masked), _picked_scores(want, masked))

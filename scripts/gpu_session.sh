@@ -16,8 +16,9 @@ logged_decode() {
 }
 for stage in "$@"; do
   case "$stage" in
-    tests)       # every GPU-marked test (kernels, copy engine, engine, cuDNN); ~150 s when all compile
-      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests \
+    tests)       # every GPU-marked test (kernels, copy engine, engine, cuDNN): 38 at 9b21157, whose run a 300 s
+                 # limit cut after 37 (gpu_tests_9b21157.log)
+      JAX_DEFAULT_MATMUL_PRECISION=highest timeout 420 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests \
         > "$OUT/gpu_tests.log" 2>&1; grep -E "passed|failed|FAILED|Error" "$OUT/gpu_tests.log" | tail -15 ;;
     tests-engine)  # the GPU tests of the copy engine and the offload engine alone (~90 s)
       JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -m gpu -q -rf -p no:cacheprovider \
@@ -365,7 +366,7 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_command_buffer_update_mode=SKIP_TEMP" timeout 90 python3 -m sparda_jax.cli \
         bench decode --lengths 131072 --batches 8 --layers 4 --modes sparda --reuse-fractions --budget-s 60 \
         --out "$OUT/decode_pool_check.json" > "$OUT/pool_check.log" 2>&1
-      echo "pool-check: rc $? (nonzero expected: the state build refuses the pool)"
+      echo "pool-check: rc $? (the bench records a failed row and exits 0: its row must read unavailable, refused pool)"
       grep -E "places it|RuntimeError|^\| SparDA" "$OUT/pool_check.log" | cut -c1-300 | head -4; gzip -f "$OUT/pool_check.log" ;;
     tests-memory-type)  # the host pool check's GPU test (~20 s)
       timeout 60 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_copy_engine.py -k memory_type 2>&1 | tail -2 ;;

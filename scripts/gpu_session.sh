@@ -14,6 +14,11 @@ logged_decode() {
   grep -iE "warning|error:|host pool" "$OUT/$name.log" | grep -v "^[IWE][0-9]" | head -5
   python3 scripts/probes/graph_updates.py --updates "$OUT/$name.log"; gzip -f "$OUT/$name.log"
 }
+# the batch-8 claim's rows at full depth with the doorbell copies (Sparse and SparDA, random traffic and
+# SmolLM2's miss rates), shared by the stages that time it under one setting each, and their table lines
+CLAIMS32=(--lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions
+          --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell)
+CLAIMS_ROWS="^\| (Sparse|SparDA)|SparDA / Sparse"
 for stage in "$@"; do
   case "$stage" in
     tests)       # every GPU-marked test (kernels, copy engine, engine, cuDNN): 38 at 9b21157, whose run a 300 s
@@ -205,9 +210,7 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
                       # and SparDA's first call was still compiling when a 300 s limit cut it)
       # XLA's log beside it: each graph update's time and moved allocations at 32 layers (at 16, updates
       # that moved 2 allocations took ~0.1 ms, 3-4 moved 1.5-4.8 ms: graph_updates/record_profile)
-      logged_decode claims32_doorbell 540 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
-        --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
-        --copy-start doorbell --budget-s 480 ;;
+      logged_decode claims32_doorbell 540 "$CLAIMS_ROWS" "${CLAIMS32[@]}" --budget-s 480 ;;
     allocator-ab)  # SparDA's full-depth low-traffic step is host-bound (a6a025c): most back-to-back steps moved a 3rd
                    # or 4th allocation of its big graph (1405 commands), and each such update took 6-10 ms on the host
                    # (~0.1 ms when 2 moved). The same rows under another device allocator (ALLOC, default cuda_async:
@@ -220,23 +223,18 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
                  # At 3e40815 the third allocation that moved is the one the whole big graph reads (its re-recordings cost
                  # 6-10 ms against ~0.1 ms with 2 moved): if it is the temporaries, this pins it. Sparse beside it (~450 s)
       XLA_FLAGS="${XLA_FLAGS:-}${XLA_FLAGS:+ }--xla_gpu_temp_buffer_use_separate_color=true" \
-        logged_decode claims32_tempcolor 540 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
-        --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
-        --copy-start doorbell --budget-s 480 ;;
+        logged_decode claims32_tempcolor 540 "$CLAIMS_ROWS" "${CLAIMS32[@]}" --budget-s 480 ;;
     cmdbuf-off32)  # the claims at full depth without XLA's command buffers (CUDA graphs): the host then launches
                    # each of the step's ~1400 kernels, but no graph is re-recorded; with graphs SparDA's reuse steps
                    # spent 6-10 ms re-recording theirs (3e40815) and the temporaries' own color made every step
                    # host-bound (422126b, decode_claims32_tempcolor.json). Sparse beside it (~300 s)
       XLA_FLAGS="${XLA_FLAGS:-}${XLA_FLAGS:+ }--xla_gpu_enable_command_buffer=" timeout 420 python3 -m sparda_jax.cli \
-        bench decode --lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions \
-        --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --budget-s 380 \
-        --out "$OUT/decode_claims32_cmdbuf_off.json" 2>&1 | grep -E "^\| (Sparse|SparDA)|SparDA / Sparse|warning|rror" ;;
+        bench decode "${CLAIMS32[@]}" --budget-s 380 --out "$OUT/decode_claims32_cmdbuf_off.json" 2>&1 \
+        | grep -E "$CLAIMS_ROWS|warning|rror" ;;
     prealloc32)  # the same rows with graphs, the device allocator's arena preallocated (PREALLOC_FRACTION of the GPU,
                  # default 0.90) instead of grown on demand: do fewer of the step's allocations move? (~300 s)
       XLA_PYTHON_CLIENT_PREALLOCATE=true XLA_PYTHON_CLIENT_MEM_FRACTION=${PREALLOC_FRACTION:-0.90} \
-        logged_decode claims32_prealloc 420 "^\| (Sparse|SparDA)|SparDA / Sparse" --lengths 131072 --batches 8 \
-        --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions --real-miss-rate sparse=0.122 sparda=0.086 \
-        --copy-start doorbell --budget-s 380 ;;
+        logged_decode claims32_prealloc 420 "$CLAIMS_ROWS" "${CLAIMS32[@]}" --budget-s 380 ;;
     topk-test)  # the Mosaic top-k's selector GPU test alone, with its failure's lines (~80 s)
       timeout 150 python3 -m pytest -m gpu -q -rf -p no:cacheprovider tests/test_kernel_select.py \
         -k "compiled_decode_topk" 2>&1 | grep -E "Error|assert|Mismatch|passed|failed" | head -12 ;;

@@ -54,8 +54,8 @@ from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, buil
 from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDENT_MODES, _after_start, _gather_blocks,
-                                     _serve_first,
-                                     _wait_blocks, decode_plan, engine_decode_step, selector_of)
+                                     _serve_first, _wait_blocks, decode_plan, engine_decode_step, engine_decode_steps,
+                                     selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
 from sparda_jax.kernels.copy_engine import DOORBELL_MARKS, doorbell_timeline, resolve_implementation, unaliased_copies
@@ -100,7 +100,7 @@ class _Ctx:
     """What every configuration of one run shares: configs, weights, extras, references."""
 
     def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = True,
-                 graph_scheduling: str | None = None, topk_impl: str = "xla"):
+                 graph_scheduling: str | None = None, topk_impl: str = "xla", steps_per_call: int = 1):
         self.cfg, self.full = bench_config(preset, layers)
         self.params = make_params(self.cfg, seed)  # stacked: the resident reference's scan reads these
         if weights not in ("layered", "stacked"):
@@ -111,6 +111,11 @@ class _Ctx:
         self.copy_in_graph = copy_in_graph  # the engine's `copy_in_graph`, for every row of the run
         self.graph_scheduling = graph_scheduling  # the engine's `graph_scheduling`, likewise
         self.topk_impl = topk_impl  # the engine's `topk_impl`, likewise
+        if steps_per_call < 1:
+            raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
+        # > 1: each call runs that many steps in one program (`engine_decode_steps`); every time and
+        # count a row reports is still per step
+        self.steps_per_call = steps_per_call
         self.extras = make_extras(self.cfg, modes, seed)
         self.weights_full = weights_bytes(self.full)
         self.seed = seed
@@ -139,36 +144,55 @@ class _Ctx:
         return self.refs[key]
 
 
-def _build(ctx: _Ctx, mode: str, context: int, batch: int):
+def _build(ctx: _Ctx, mode: str, context: int, batch: int, calls: int = 0):
+    """The row's state, with room for `calls` calls' steps (64 positions at least)."""
     state = build_state(ctx.cfg, batch=batch, context=context, mode=mode, seed=ctx.seed,
-                        infinigen=ctx.extras["infinigen"])
+                        infinigen=ctx.extras["infinigen"], extra_tokens=max(64, calls * ctx.steps_per_call))
     jax.block_until_ready(state)
     return state
 
 
 def _row_inputs(ctx: _Ctx, context: int, batch: int, n_rep: int, n: int) -> list:
-    """Every step's (tokens, positions), made before any timed region: rows < n_rep repeat step 0."""
+    """Every call's (tokens, positions), made before any timed region: rows < n_rep repeat step 0.
+    With ctx.steps_per_call = k > 1 a call is k steps: tokens and positions [k, B]."""
     rows = np.arange(batch)
     tok0 = ctx.tokens(0, batch)
-    inputs = []
-    for i in range(n):
+    k = ctx.steps_per_call
+    steps = []
+    for i in range(n * k):
         pos = np.where(rows < n_rep, context, context + i).astype(np.int32)
         tok = jnp.where(jnp.asarray(rows < n_rep), tok0, ctx.tokens(i, batch))
-        inputs.append((tok, pos))
-    return inputs
+        steps.append((tok, pos))
+    if k == 1:
+        return steps
+    return [(jnp.stack([t for t, _ in steps[i:i + k]]), np.stack([p for _, p in steps[i:i + k]]))
+            for i in range(0, n * k, k)]
 
 
 def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False, copy_group: int = 1,
              copy_start: str = "lanes"):
-    """step(tokens, positions, state) -> (logits, state, stats) of the row's mode and copy settings."""
+    """step(tokens, positions, state) -> (logits, state, stats) of the row's mode and copy settings:
+    one step, or with ctx.steps_per_call > 1 that many (`engine_decode_steps`: inputs, logits and
+    stats with a leading step axis)."""
     kw = kwargs_for(ctx.extras, mode)
+    run = engine_decode_step if ctx.steps_per_call == 1 else engine_decode_steps
 
     def step(tok, pos, st):
-        return engine_decode_step(ctx.step_params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
-                                  num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group,
-                                  copy_start=copy_start, copy_in_graph=ctx.copy_in_graph,
-                                  graph_scheduling=ctx.graph_scheduling, topk_impl=ctx.topk_impl, **kw)
+        return run(ctx.step_params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
+                   num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group, copy_start=copy_start,
+                   copy_in_graph=ctx.copy_in_graph, graph_scheduling=ctx.graph_scheduling, topk_impl=ctx.topk_impl,
+                   **kw)
     return step
+
+
+def _first_step(ctx: _Ctx, x):
+    """The first step's part of a call's output (its logits or a counter)."""
+    return x if ctx.steps_per_call == 1 else x[0]
+
+
+def _per_step(ctx: _Ctx, stats: list, name: str) -> float:
+    """A counter's mean per step over calls' stats."""
+    return float(np.mean([int(np.sum(s[name])) for s in stats])) / ctx.steps_per_call
 
 
 def _back_to_back(call, carry, lo: int, hi: int, host_period: list | None = None):
@@ -197,29 +221,31 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     alone (`_overlap`), after the row (rec["overlap"])."""
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
+    k = ctx.steps_per_call
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
            "variant": "random" if n_rep == 0 else f"reuse={n_rep / batch:.2f}",
            "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group, "copy_start": copy_start,
-           "layers_timed": cfg.num_layers}
+           "layers_timed": cfg.num_layers, "steps_per_call": k}
     feas = feasibility(full, mode, batch=batch, context=context, weights=ctx.weights_full)
     rec["feasibility"] = {k: feas[k] for k in ("fits", "reason", "host_need_bytes", "device_need_bytes",
                                                "host_bytes", "device_limit_bytes", "layers")}
     if not feas["fits"]:
         rec["status"] = f"infeasible at {full.num_layers} layers: {feas['reason']}"
         return rec
+    calls = 1 + warmup + 2 * steps + profile_steps
     t_build = time.perf_counter()
-    state = _build(ctx, mode, context, batch)
+    state = _build(ctx, mode, context, batch, calls)
     rec["state_build_seconds"] = time.perf_counter() - t_build
     step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group, copy_start=copy_start)
-    inputs = _row_inputs(ctx, context, batch, n_rep, 1 + warmup + 2 * steps + profile_steps)
+    inputs = _row_inputs(ctx, context, batch, n_rep, calls)
 
     t0 = time.perf_counter()
     logits, state, stats = step(*inputs[0], state)
     jax.block_until_ready((logits, state))
     rec["first_call_seconds"] = time.perf_counter() - t0  # compile + cold cache
-    lg = np.asarray(logits, np.float32)
-    chk = {"finite": bool(np.isfinite(lg).all())}
-    sel0, cop0 = int(stats["selected_blocks"]), int(stats["copied_blocks"])
+    lg = np.asarray(_first_step(ctx, logits), np.float32)
+    chk = {"finite": bool(np.isfinite(np.asarray(logits, np.float32)).all())}
+    sel0, cop0 = int(_first_step(ctx, stats["selected_blocks"])), int(_first_step(ctx, stats["copied_blocks"]))
     if mode in OFFLOAD_MODES:
         want = (cfg.num_layers - 1) * batch * cfg.num_kv_heads * min(cfg.sparse.topk, -(-(context + 1) // cfg.sparse.block_size))
         chk.update(step0_selected_blocks=sel0, step0_copied_blocks=cop0, step0_selected_expected=want,
@@ -268,15 +294,16 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         rec["profile"] = profile_calls(call, profile_steps, profile_dir)
         state = holder[0]
     del state
-    copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
-    selected = float(np.mean([int(s["selected_blocks"]) for s in got]))
+    copied, selected = _per_step(ctx, got, "copied_blocks"), _per_step(ctx, got, "selected_blocks")
+    # per step from here on: a call ran k steps
+    pipelined, ts, host, host_period = pipelined / k, [t / k for t in ts], [t / k for t in host], [host_period[0] / k]
     med = float(np.median(ts))
     scale = full.num_layers / cfg.num_layers
     per_layer_copy_scale = (full.num_layers - 1) / (cfg.num_layers - 1)
     bb = block_bytes(cfg)
     rec.update(
         status="ok" if chk["passed"] else "check_failed",
-        steps_timed=steps, warmup_steps=warmup, step_seconds=pipelined, tokens_per_s_timed_layers=batch / pipelined,
+        steps_timed=steps * k, warmup_steps=warmup * k, step_seconds=pipelined, tokens_per_s_timed_layers=batch / pipelined,
         step_seconds_scaled=pipelined * scale, tokens_per_s=batch / (pipelined * scale),
         sync_step_seconds=med, sync_step_seconds_min=float(min(ts)), sync_step_seconds_max=float(max(ts)),
         sync_tokens_per_s=batch / (med * scale),
@@ -394,12 +421,13 @@ def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, 
     distinct sources, slots 0..n-1), both timed as the row (back to back, one wait). Times are of
     the layers timed, unscaled, like step_seconds."""
     cfg = ctx.cfg
-    state = _build(ctx, mode, context, batch)
+    state = _build(ctx, mode, context, batch, len(inputs))
     advance = _advancer(_stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, skip_copies=True,
                                  copy_group=copy_group, copy_start=copy_start), inputs)
     state = _back_to_back(advance, state, 0, 1 + warmup)[1]  # compile, cold cache, warm-up
     compute, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
-    skipped_copied = float(np.mean([int(s["copied_blocks"]) for s in got]))
+    compute /= ctx.steps_per_call  # per step, as the row's step_seconds
+    skipped_copied = _per_step(ctx, got, "copied_blocks")
     compute_timeline = None
     if _records_timeline(mode, copy_start, copy_impl):
         # compute alone's own timeline, from synchronous steps after the timed ones: its ring interval
@@ -584,8 +612,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  overlap: bool = False, copy_group: int = 1,
                  copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = True,
                  graph_scheduling: str | None = None, marginal_layers: int | None = None,
-                 validate_layers: int | None = None, topk_impl: str = "xla", seed: int = 0, out=None,
-                 log=None) -> dict:
+                 validate_layers: int | None = None, topk_impl: str = "xla", steps_per_call: int = 1, seed: int = 0,
+                 out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
     (with profile_reuse, of their reuse rows too)
@@ -596,7 +624,9 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     marginal_layers: also time every claims' row with that many layers (fewer than `layers`) and
     estimate the full model's step from the two (`marginal`, rec["marginal"]); the claims are then
     also made on that estimate. validate_layers: time the batch-8 claim's rows (every traffic)
-    with that many layers (more than `layers`) too and compare with the estimate's prediction."""
+    with that many layers (more than `layers`) too and compare with the estimate's prediction.
+    steps_per_call: run that many decode steps in each call, in one device program
+    (`engine_decode_steps`), instead of one step a call; times and counts stay per step."""
     log = log or _log_default
     modes = tuple(modes)
     budget = Budget(budget_s)
@@ -615,7 +645,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             r["ceilings_error"] = unavailable(e)
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
-    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph, graph_scheduling, topk_impl=topk_impl)
+    ctx_kw = dict(topk_impl=topk_impl, steps_per_call=steps_per_call)
+    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph, graph_scheduling, **ctx_kw)
     for name, n in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
         if n is not None and not 2 <= n <= ctx.full.num_layers:  # the engine keeps layer 0 on the device
             raise ValueError(f"{name}={n}: need 2 to {ctx.full.num_layers} (the preset's layers)")
@@ -623,14 +654,14 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
     if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):
         raise ValueError("validate_layers needs marginal_layers and more layers than the layers timed")
-    ctx_lo = (_Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling,
-                   topk_impl=topk_impl) if marginal_layers else None)
+    ctx_lo = (_Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling, **ctx_kw)
+              if marginal_layers else None)
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
                               copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
                               copy_start=copy_start, weights=weights, copy_in_graph=copy_in_graph,
                               graph_scheduling=graph_scheduling, marginal_layers=marginal_layers, topk_impl=topk_impl,
-                              validate_layers=validate_layers)
+                              validate_layers=validate_layers, steps_per_call=steps_per_call)
     if real_model:
         try:
             r["real_model"] = real_miss_rate(real_model, log=log)
@@ -683,7 +714,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         """The estimate's prediction for validate_layers layers against a row timed with them."""
         if not ctx_v:
             ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling,
-                              topk_impl=topk_impl))
+                              **ctx_kw))
         x = decode_config(ctx_v[0], mode, t, b, **again)
         if x.get("status") != "ok":
             return {"layers": validate_layers, "status": x.get("status")}
@@ -1017,6 +1048,7 @@ def main(args) -> int:
                          copy_group=args.copy_group,
                          copy_start=args.copy_start, weights=args.weights, copy_in_graph=args.copy_in_graph,
                          graph_scheduling=args.graph_scheduling, marginal_layers=args.marginal_layers,
-                         validate_layers=args.validate_layers, topk_impl=args.topk_impl, out=out)
+                         validate_layers=args.validate_layers, topk_impl=args.topk_impl,
+                         steps_per_call=args.steps_per_call, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

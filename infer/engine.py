@@ -40,7 +40,8 @@ from sparda_jax.attention import paged_sparse_attention, sparse_attention
 from sparda_jax.config import ModelConfig
 from sparda_jax.model import (DecoderLayer, check_layers, embed, layer_params, per_layer, rope_tables, stacked,
                               unembed)
-from sparda_jax.modes import KeySide, decode_step, layered_state, prefill, select_for_mode, selector_input
+from sparda_jax.modes import (KeySide, decode_program, decode_step, decode_step_plan, layered_state, prefill,
+                              select_for_mode, selector_input)
 from sparda_jax.runtime import warn_if_default_launch_queues
 from sparda_jax.select import TOPK_IMPLEMENTATIONS
 
@@ -52,7 +53,7 @@ from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, aut
 from .blockcache import assign_slots
 
 __all__ = ["ENGINE_MODES", "OFFLOAD_MODES", "OffloadState", "engine_prefill", "engine_decode_step",
-           "selector_of", "memory_report", "per_layer", "stacked"]
+           "engine_decode_steps", "selector_of", "memory_report", "per_layer", "stacked"]
 
 OFFLOAD_MODES = ("sparse", "infinigen", "sparda_sync", "sparda")
 RESIDENT_MODES = {"dense_resident": "dense", "sparse_resident": "sparse"}
@@ -531,16 +532,49 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     return unembed(params, x, c)[:, 0], new, stats
 
 
+def _engine_decode_loop_impl(params, tokens, positions, state, forecast, infinigen, *, plan):
+    """tokens, positions [n, B]: step i decodes tokens[i] at positions[i], all n in one program.
+    plan: an `_EnginePlan` (offload modes) or the resident modes' `sparda_jax.modes` plan.
+
+    Why one program: a decode step called from Python is one XLA execution, and XLA re-records
+    each of its CUDA graphs whose buffers the allocator placed elsewhere than at the last call.
+    At full depth SparDA's step moved its temporaries at nearly every call, and re-recording its
+    1405-command graph took 5-10 ms of host time a step, more than the device's ~8.4 ms
+    (bench/results/graph_updates/claims32_*.log.gz). Inside one program every buffer keeps its
+    address for all n steps, and a loop of static trip count runs its body n times with no host
+    sync (XLA's WhileThunk reads no predicate back when it knows the trip count). Nothing is in
+    flight across iterations: every copy a step starts is waited on in that step."""
+    n = tokens.shape[0]
+
+    def body(i, carry):
+        st, logits, copied, selected = carry
+        if isinstance(plan, _EnginePlan):
+            lg, st, stats = _engine_decode_impl(params, tokens[i], positions[i], st, forecast, infinigen, plan=plan)
+            copied, selected = copied.at[i].set(stats["copied_blocks"]), selected.at[i].set(stats["selected_blocks"])
+        else:
+            lg, st = decode_program(params, tokens[i][:, None], positions[i][:, None], st, forecast, infinigen,
+                                    plan=plan)
+        return st, logits.at[i].set(lg), copied, selected
+
+    b, v = tokens.shape[1], plan.config.vocab_size
+    zeros = jnp.zeros((n,), jnp.int32)
+    state, logits, copied, selected = jax.lax.fori_loop(
+        0, n, body, (state, jnp.zeros((n, b, v), jnp.float32), zeros, zeros))
+    return logits, state, {"copied_blocks": copied, "selected_blocks": selected}
+
+
 _DECODE_JIT = dict(static_argnames=("plan",), donate_argnames=("state",))
-_engine_decode = jax.jit(_engine_decode_impl, **_DECODE_JIT)  # XLA's own graph scheduling
 
 
 @functools.cache
-def _engine_decode_scheduled(mode: str):
-    """The step compiled with XLA's command-buffer scheduling `mode` (a compile option of this
-    program alone, not a process-wide XLA_FLAGS)."""
-    return jax.jit(_engine_decode_impl, **_DECODE_JIT,
-                   compiler_options={"xla_gpu_command_buffer_scheduling_mode": mode})
+def _compiled(impl, scheduling: str | None):
+    """impl jitted with XLA's command-buffer scheduling `scheduling` (a compile option of this
+    program alone, not a process-wide XLA_FLAGS; None: XLA's own)."""
+    opts = {} if scheduling is None else {"compiler_options": {"xla_gpu_command_buffer_scheduling_mode": scheduling}}
+    return jax.jit(impl, **_DECODE_JIT, **opts)
+
+
+_engine_decode = _compiled(_engine_decode_impl, None)  # the step under XLA's own graph scheduling
 
 
 def _scheduling(plan: _EnginePlan) -> str | None:
@@ -556,9 +590,9 @@ def _scheduling(plan: _EnginePlan) -> str | None:
     return "CONCURRENT" if plan.mode == "sparda" and plan.copy_start == "graph" else None
 
 
-def _decode_program(plan: _EnginePlan):
-    mode = _scheduling(plan)
-    return _engine_decode if mode is None else _engine_decode_scheduled(mode)
+def _decode_program(plan: _EnginePlan, loop: bool = False):
+    """The jitted step (loop: n steps, `engine_decode_steps`) of an offload plan."""
+    return _compiled(_engine_decode_loop_impl if loop else _engine_decode_impl, _scheduling(plan))
 
 
 def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> OffloadState:
@@ -629,24 +663,64 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     False: the calls of before, cut points of XLA's graphs.
     topk_impl: the selectors' top-k, "xla" or "mosaic_gpu" (Hopper; "mosaic_gpu_interpret" on the
     CPU): the same ids (`sparda_jax.select.finalize_topk`); the offload modes only."""
+    plan, state = _step_plan(params, positions, state, config, mode=mode, forecast=forecast, infinigen=infinigen,
+                             dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
+                             attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,
+                             copy_start=copy_start, copy_in_graph=copy_in_graph, graph_scheduling=graph_scheduling,
+                             topk_impl=topk_impl)
+    if mode in RESIDENT_MODES:  # a stacked state was split once (`_step_plan`); the layered one comes back
+        logits, st = decode_program(params, tokens[:, None], positions[:, None], state, forecast, infinigen, plan=plan)
+        return logits, st, {"copied_blocks": 0, "selected_blocks": 0}
+    return _decode_program(plan)(params, tokens, positions, state, forecast, infinigen, plan=plan)
+
+
+def engine_decode_steps(params, tokens, positions, state, config: ModelConfig, *, mode: str, forecast=None,
+                        infinigen=None, dtype=jnp.float32, **options):
+    """n decode steps in one device program: tokens and positions int [n, B], step i decodes
+    tokens[i] at positions[i] (the tokens are given, as in scoring a continuation or in a
+    benchmark). Returns (logits [n, B, V] float32, state, stats) with stats' counters per step
+    ([n] each). The same steps, logits and state as n calls of `engine_decode_step`, whose
+    keyword options (reuse, copy_impl, num_ctas, copy_start, ...) it takes.
+
+    Why: each call from Python is one XLA execution, and at full depth XLA re-recorded SparDA's
+    CUDA graph at nearly every call, for longer than the device took for the step (see
+    `_engine_decode_loop_impl`); here the buffers keep their addresses for all n steps."""
+    positions = np.asarray(positions)  # host-side checks need it concrete, as engine_decode_step's
+    if positions.ndim != 2 or np.shape(tokens) != positions.shape or positions.shape[0] < 1:
+        raise ValueError(f"engine_decode_steps takes tokens and positions of one shape [n >= 1, B], got "
+                         f"{np.shape(tokens)} and {positions.shape}")
+    tokens = jnp.asarray(tokens)
+    if not (jnp.issubdtype(tokens.dtype, jnp.integer) and np.issubdtype(positions.dtype, np.integer)):
+        raise TypeError(f"tokens and positions must be integers, got {tokens.dtype} and {positions.dtype}")
+    plan, state = _step_plan(params, positions, state, config, mode=mode, forecast=forecast, infinigen=infinigen,
+                             dtype=dtype, **options)
+    program = _compiled(_engine_decode_loop_impl, _scheduling(plan) if isinstance(plan, _EnginePlan) else None)
+    return program(params, tokens.astype(jnp.int32), jnp.asarray(positions, jnp.int32), state, forecast, infinigen,
+                   plan=plan)
+
+
+def _step_plan(params, positions, state, config: ModelConfig, *, mode: str, forecast, infinigen, dtype, **options):
+    """(plan, state): the checks of a decode step (every position in `positions`) and its static
+    plan; a resident mode's stacked state comes back split per layer (`layered_state`)."""
     sel = selector_of(mode)
     check_layers(params, config)
-    if mode in RESIDENT_MODES:  # a stacked state is split once; the layered one comes back
-        logits, st = decode_step(params, tokens, positions, layered_state(state), config, mode=sel,
-                                 forecast=forecast, infinigen=infinigen, dtype=dtype)
-        return logits, st, {"copied_blocks": 0, "selected_blocks": 0}
+    batch = np.shape(positions)[-1]
+    if mode in RESIDENT_MODES:  # nothing is copied: the copy options do not apply
+        state = layered_state(state)
+        if state[0].kv.k.shape[0] != batch:
+            raise ValueError(f"the state holds {state[0].kv.k.shape[0]} sequences, the step {batch}")
+        return decode_step_plan(params, positions, state, config, mode=sel, forecast=forecast, infinigen=infinigen,
+                                dtype=dtype), state
     if not isinstance(state, OffloadState):
         raise TypeError(f"mode {mode!r} needs an OffloadState from engine_prefill")
+    if state.l0["k"].shape[0] != batch:
+        raise ValueError(f"the state holds {state.l0['k'].shape[0]} sequences, the step {batch}")
     if int(np.max(np.asarray(positions))) + 1 < config.sparse.dense_len:  # host-side: no device op per step
         raise NotImplementedError("offload modes decode sparse only; below dense_len use a resident mode")
     if mode == "sparda" and config.sparse.local_blocks * config.sparse.block_size < config.sparse.kernel_size:
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
                          "(local_blocks * block_size >= kernel_size)")
-    plan = decode_plan(config, mode, state.cache, dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
-                       attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,
-                       copy_start=copy_start, copy_in_graph=copy_in_graph, graph_scheduling=graph_scheduling,
-                       topk_impl=topk_impl)
-    return _decode_program(plan)(params, tokens, positions, state, forecast, infinigen, plan=plan)
+    return decode_plan(config, mode, state.cache, dtype=dtype, **options), state
 
 
 def decode_plan(config: ModelConfig, mode: str, cache: dict, *, dtype=jnp.float32, reuse: bool = True,

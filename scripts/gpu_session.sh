@@ -291,6 +291,16 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
         -p no:cacheprovider tests/test_engine.py -k "doorbell" 2>&1 | grep -vE "^(E[0-9]{4}|===|external/)" \
         >> "$OUT/gpu_tests_doorbell.log"
       grep -E "passed|failed|error" "$OUT/gpu_tests_doorbell.log" ;;
+    tests-loop)  # the device loop's GPU tests (infer.engine.engine_decode_steps: n steps in one program equal the
+                 # steps called one by one, with the CUDA copies; the doorbell with eager loading, as the CLI sets) (~90 s)
+      CUDA_MODULE_LOADING=EAGER JAX_DEFAULT_MATMUL_PRECISION=highest timeout 200 python3 -m pytest -m gpu -q -rf \
+        -p no:cacheprovider tests/test_engine.py -k "decode_steps_in_one" 2>&1 | grep -vE "^(E[0-9]{4}|===|external/)" \
+        > "$OUT/gpu_tests_loop.log"
+      grep -E "passed|failed|error" "$OUT/gpu_tests_loop.log" ;;
+    claims32-loop)  # the batch-8 claim's rows at full depth, each timed call 8 decode steps in one program
+                    # (--steps-per-call 8: the step's buffers keep their addresses inside a call, so XLA records its
+                    # graphs once a call, not at every step), XLA's command-buffer log beside it (~300 s)
+      logged_decode claims32_loop 540 "$CLAIMS_ROWS" "${CLAIMS32[@]}" --steps-per-call 8 --budget-s 480 ;;
     doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's
                # graphs): their GPU tests, then SparDA at 4 layers, batch 8, 128K, lanes and doorbell with compute
                # alone and copies alone, then the doorbell at full depth (~420 s; its timeouts allow 710 s: a call of its own)

@@ -362,6 +362,10 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
+    bn.add_argument("--steps-per-call", type=int, default=1,
+                    help="decode: decode steps in each timed call, run as one device program "
+                         "(infer.engine.engine_decode_steps; XLA records its graphs once for all of them); "
+                         "times stay per step")
     bn.add_argument("--topk-impl", choices=["xla", "mosaic_gpu"], default="xla",
                     help="decode: the selectors' top-k in the engine's step (the engine's topk_impl): XLA's "
                          "lax.top_k and sort, or the sort-free Mosaic kernel (Hopper)")

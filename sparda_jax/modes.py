@@ -404,6 +404,9 @@ def _decode(params, tokens, positions, state, forecast, infinigen, *, plan: _Pla
     return unembed(params, x, c)[:, 0], new_state
 
 
+decode_program = _decode  # the jitted step of a `decode_step_plan`
+
+
 def decode_step(params, tokens, positions, state: DecodeState, config: ModelConfig, *, mode: Mode = "dense",
                 forecast=None, infinigen=None, dtype=jnp.float32, dense: bool | None = None,
                 dense_impl=None, sparse_impl=None, select_impl=None):
@@ -412,6 +415,18 @@ def decode_step(params, tokens, positions, state: DecodeState, config: ModelConf
     is otherwise applied to the longest sequence (host-side: positions must be concrete).
     state: a DecodeState from `prefill`, or its `layered_state` (faster: no copy of the state;
     the new state comes back in the layout given)."""
+    plan = decode_step_plan(params, positions, state, config, mode=mode, forecast=forecast, infinigen=infinigen,
+                            dtype=dtype, dense=dense, dense_impl=dense_impl, sparse_impl=sparse_impl,
+                            select_impl=select_impl)
+    return decode_program(params, tokens[:, None], positions[:, None], state, forecast, infinigen, plan=plan)
+
+
+def decode_step_plan(params, positions, state, config: ModelConfig, *, mode: Mode = "dense", forecast=None,
+                     infinigen=None, dtype=jnp.float32, dense: bool | None = None, dense_impl=None, sparse_impl=None,
+                     select_impl=None) -> _Plan:
+    """`decode_step`'s checks and its static plan, for callers that trace the step themselves
+    (`decode_program(params, tokens[:, None], positions[:, None], state, ..., plan=plan)`, as
+    the engine's device loop does). positions: every position the plan will decode (host-side)."""
     _validate(config, mode, forecast, infinigen)
     check_layers(params, config)
     if dense is None:
@@ -422,7 +437,7 @@ def decode_step(params, tokens, positions, state: DecodeState, config: ModelConf
                          f"got {len(state)}")
     if not plan.dense and (state[0] if isinstance(state, tuple) else state).ckeys is None:
         raise ValueError("this decode state has no compressed keys: prefill it with a sparse mode")
-    return _decode(params, tokens[:, None], positions[:, None], state, forecast, infinigen, plan=plan)
+    return plan
 
 
 def forward_cached(params, tokens, positions, cache: KVCache, config: ModelConfig, *, dtype=jnp.float32,

@@ -234,6 +234,38 @@ def test_decode_bench_smoke_on_cpu(tmp_path):
     assert out is None or out.endswith("decode.png")
 
 
+def test_decode_bench_steps_per_call_on_cpu():
+    """steps_per_call k: each timed call runs k steps in one program (`engine_decode_steps`) on
+    the inputs of k single steps, in order, and a row's times and counts stay per step."""
+    from sparda_jax import get_preset
+    from sparda_jax.bench.decode import _Ctx, _row_inputs, bench_decode
+
+    one, three = (_Ctx("tiny", 2, ("sparda",), 0, None, steps_per_call=k) for k in (1, 3))
+    flat = _row_inputs(one, 256, 4, 1, 6)
+    chunks = _row_inputs(three, 256, 4, 1, 2)
+    assert [c[0].shape for c in chunks] == [(3, 4)] * 2 and [c[1].shape for c in chunks] == [(3, 4)] * 2
+    for i, (tok, pos) in enumerate(flat):
+        np.testing.assert_array_equal(chunks[i // 3][0][i % 3], tok)
+        np.testing.assert_array_equal(chunks[i // 3][1][i % 3], pos)
+    assert list(chunks[1][1][:, 0]) == [256] * 3 and list(chunks[1][1][:, 1]) == [259, 260, 261]  # row 0 repeats
+    with pytest.raises(ValueError, match="steps_per_call"):
+        _Ctx("tiny", 2, ("sparda",), 0, None, steps_per_call=0)
+
+    r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparse", "sparda"), layers=2, steps=2, warmup=1,
+                     reuse_fractions=(0.5,), with_ceilings=False, budget_s=None, steps_per_call=3, log=lambda s: None)
+    assert r["config"]["steps_per_call"] == 3
+    rows = {(x["mode"], x["variant"]): x for x in r["rows"]}
+    for m in ("sparse", "sparda"):
+        x = rows[(m, "random")]
+        assert x["status"] == "ok" and x["check"]["counts_ok"] and x["check"]["vs_resident_row0"]["passed"], x
+        assert x["steps_per_call"] == 3 and x["steps_timed"] == 6
+        # per step: at most every selected block is copied, and selected counts (L-1) B K topk a step
+        tiny = get_preset("tiny")
+        assert x["selected_blocks_per_step"] == 1 * 8 * tiny.num_kv_heads * tiny.sparse.topk
+        assert 0 < x["miss_rate"] <= 1 and 0 < x["host_period_seconds"] <= x["step_seconds"]
+        assert rows[(m, "reuse=0.50")]["miss_rate"] < x["miss_rate"]
+
+
 def test_trace_summary_of_a_known_trace():
     from sparda_jax.bench.profile import summarize_trace
 

@@ -473,6 +473,69 @@ def test_engine_errors(setup):
         decode_plan(TINY, "sparda", st.cache, graph_scheduling="concurrent")
 
 
+@needs_cxx
+@pytest.mark.parametrize("mode,copy_impl,copy_start", [
+    ("sparda", "host_ffi", "doorbell"), ("sparse", "xla", "lanes"), ("sparse_resident", None, "lanes"),
+    # on the GPU (the doorbell with eager module loading, as the CLI sets it: gpu_session.sh tests-loop)
+    pytest.param("sparda", "cuda", "doorbell", marks=pytest.mark.gpu),
+    pytest.param("sparda", "cuda", "lanes", marks=pytest.mark.gpu),
+    pytest.param("sparse", "cuda", "lanes", marks=pytest.mark.gpu)])
+def test_decode_steps_in_one_program_equal_the_steps_called_one_by_one(setup, mode, copy_impl, copy_start):
+    """`engine_decode_steps` runs n steps as one program (a loop of static trip count, so XLA
+    records its graphs once): the same logits, state and counters as n calls of the step, here
+    across a block boundary (one block completes and is written back mid-loop). With the copy
+    calls' CPU twin every start's buffer reaches its own wait inside its iteration, and no call
+    is handed a copy of its cache; on the GPU the CUDA calls keep their aliasing in the loop too."""
+    from sparda_jax.infer.engine import engine_decode_steps
+    from sparda_jax.kernels.copy_engine import host_copies_in_flight, unaliased_copies
+
+    params, forecast, ig = setup
+    b, t0, n = 2, 70, 12
+    tokens = jax.random.randint(jax.random.key(7), (b, t0 + n), 0, TINY.vocab_size)
+    lengths = jnp.array([t0, t0 - 11], jnp.int32)  # row 0 completes block 4 (tokens 64..79) at step 9
+    pos = np.asarray(lengths)[None] + np.arange(n)[:, None]  # [n, B]
+    toks = np.asarray(tokens)[np.arange(b)[None], pos]
+    kw = dict(mode=mode, forecast=forecast, infinigen=ig)
+    if mode not in ("dense_resident", "sparse_resident"):
+        kw.update(copy_impl=copy_impl, copy_start=copy_start)
+
+    def fresh():
+        return engine_prefill(params, tokens[:, :t0], lengths, TINY, mode=mode, cache_size=t0 + n, forecast=forecast,
+                              infinigen=ig)[1]
+
+    st, one, copied = fresh(), [], []
+    for i in range(n):
+        logits, st, stats = engine_decode_step(params, toks[i], pos[i], st, TINY, **kw)
+        one.append(logits)
+        copied.append(int(stats["copied_blocks"]))
+    unaliased_copies(copy_impl or "xla", reset=True)
+    loop, st_loop, stats = engine_decode_steps(params, toks, pos, fresh(), TINY, **kw)
+    assert loop.shape == (n, b, TINY.vocab_size) and stats["copied_blocks"].shape == (n,)
+    # the same step, compiled inside a loop: XLA may fuse (and so order f32 sums) differently there
+    np.testing.assert_allclose(np.asarray(loop), np.asarray(jnp.stack(one)), rtol=0, atol=2e-5)
+
+    def same(x, y):
+        x, y = np.asarray(x), np.asarray(y)
+        if np.issubdtype(x.dtype, np.integer):  # block tables, slots: exactly
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=0, atol=2e-5)
+    jax.tree.map(same, st_loop, st)
+    assert list(np.asarray(stats["copied_blocks"])) == copied
+    if copy_impl == "host_ffi":
+        assert host_copies_in_flight() == 0
+    if copy_impl in ("host_ffi", "cuda"):
+        assert unaliased_copies(copy_impl) == (0, 0)
+    if mode == "sparse":  # something moved after the first step, so the equality above says something
+        assert copied[0] > 0 and sum(copied[1:]) > 0
+        with pytest.raises(ValueError, match=r"one shape \[n >= 1, B\]"):
+            engine_decode_steps(params, toks[0], pos[0], st, TINY, **kw)
+        with pytest.raises(ValueError, match="sequences"):
+            engine_decode_steps(params, toks[:, :1], pos[:, :1], st, TINY, **kw)
+        with pytest.raises(TypeError, match="integers"):
+            engine_decode_steps(params, toks.astype(np.float32), pos, st, TINY, **kw)
+
+
 def test_memory_report_minicpm_128k():
     c = get_preset("minicpm4.1-8b")
     r = memory_report(c, batch=1, context=131072)

@@ -301,6 +301,12 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                     # (--steps-per-call 8: the step's buffers keep their addresses inside a call, so XLA records its
                     # graphs once a call, not at every step), XLA's command-buffer log beside it (~300 s)
       logged_decode claims32_loop 540 "$CLAIMS_ROWS" "${CLAIMS32[@]}" --steps-per-call 8 --budget-s 480 ;;
+    loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
+              # program, in one call, each with XLA's command-buffer log (~300 s)
+      for K in 1 8; do
+        logged_decode sparda32_k$K 280 "^\| SparDA" --lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparda \
+          --reuse-fractions --real-miss-rate sparda=0.086 --copy-start doorbell --steps-per-call $K --budget-s 240
+      done ;;
     doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's
                # graphs): their GPU tests, then SparDA at 4 layers, batch 8, 128K, lanes and doorbell with compute
                # alone and copies alone, then the doorbell at full depth (~420 s; its timeouts allow 710 s: a call of its own)

@@ -40,8 +40,8 @@ from sparda_jax.attention import paged_sparse_attention, sparse_attention
 from sparda_jax.config import ModelConfig
 from sparda_jax.model import (DecoderLayer, check_layers, embed, layer_params, per_layer, rope_tables, stacked,
                               unembed)
-from sparda_jax.modes import (KeySide, decode_program, decode_step, decode_step_plan, layered_state, prefill,
-                              select_for_mode, selector_input)
+from sparda_jax.modes import (KeySide, decode_program, decode_step_plan, layered_state, prefill, select_for_mode,
+                              selector_input)
 from sparda_jax.runtime import warn_if_default_launch_queues
 from sparda_jax.select import TOPK_IMPLEMENTATIONS
 
@@ -538,9 +538,9 @@ def _engine_decode_loop_impl(params, tokens, positions, state, forecast, infinig
 
     Why one program: a decode step called from Python is one XLA execution, and XLA re-records
     each of its CUDA graphs whose buffers the allocator placed elsewhere than at the last call.
-    At full depth SparDA's step moved its temporaries at nearly every call, and re-recording its
-    1405-command graph took 5-10 ms of host time a step, more than the device's ~8.4 ms
-    (bench/results/graph_updates/claims32_*.log.gz). Inside one program every buffer keeps its
+    At full depth a third or fourth allocation of SparDA's step moved at nearly every call, and
+    re-recording its 1405-command graph then took 4-10 ms of host time, about the device's whole
+    step (bench/results/graph_updates/claims32_*.log.gz, sparda32_step_b30a6b0.log.gz). Inside one program every buffer keeps its
     address for all n steps, and a loop of static trip count runs its body n times with no host
     sync (XLA's WhileThunk reads no predicate back when it knows the trip count). Nothing is in
     flight across iterations: every copy a step starts is waited on in that step."""
@@ -590,9 +590,10 @@ def _scheduling(plan: _EnginePlan) -> str | None:
     return "CONCURRENT" if plan.mode == "sparda" and plan.copy_start == "graph" else None
 
 
-def _decode_program(plan: _EnginePlan, loop: bool = False):
-    """The jitted step (loop: n steps, `engine_decode_steps`) of an offload plan."""
-    return _compiled(_engine_decode_loop_impl if loop else _engine_decode_impl, _scheduling(plan))
+def _decode_program(plan, loop: bool = False):
+    """The jitted step of an offload plan, or with loop n steps of any plan (`engine_decode_steps`)."""
+    scheduling = _scheduling(plan) if isinstance(plan, _EnginePlan) else None
+    return _compiled(_engine_decode_loop_impl if loop else _engine_decode_impl, scheduling)
 
 
 def _flush_completed(plan: _EnginePlan, state: OffloadState, pos, bs: int) -> OffloadState:
@@ -694,8 +695,7 @@ def engine_decode_steps(params, tokens, positions, state, config: ModelConfig, *
         raise TypeError(f"tokens and positions must be integers, got {tokens.dtype} and {positions.dtype}")
     plan, state = _step_plan(params, positions, state, config, mode=mode, forecast=forecast, infinigen=infinigen,
                              dtype=dtype, **options)
-    program = _compiled(_engine_decode_loop_impl, _scheduling(plan) if isinstance(plan, _EnginePlan) else None)
-    return program(params, tokens.astype(jnp.int32), jnp.asarray(positions, jnp.int32), state, forecast, infinigen,
+    return _decode_program(plan, loop=True)(params, tokens.astype(jnp.int32), jnp.asarray(positions, jnp.int32), state, forecast, infinigen,
                    plan=plan)
 
 

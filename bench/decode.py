@@ -221,11 +221,11 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     alone (`_overlap`), after the row (rec["overlap"])."""
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
-    k = ctx.steps_per_call
+    per_call = ctx.steps_per_call
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
            "variant": "random" if n_rep == 0 else f"reuse={n_rep / batch:.2f}",
            "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group, "copy_start": copy_start,
-           "layers_timed": cfg.num_layers, "steps_per_call": k}
+           "layers_timed": cfg.num_layers, "steps_per_call": per_call}
     feas = feasibility(full, mode, batch=batch, context=context, weights=ctx.weights_full)
     rec["feasibility"] = {k: feas[k] for k in ("fits", "reason", "host_need_bytes", "device_need_bytes",
                                                "host_bytes", "device_limit_bytes", "layers")}
@@ -292,18 +292,21 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
             return out[:2]
 
         rec["profile"] = profile_calls(call, profile_steps, profile_dir)
+        if per_call > 1:  # the profile's "steps" are the calls it traced
+            rec["profile"]["steps_per_call"] = per_call
         state = holder[0]
     del state
     copied, selected = _per_step(ctx, got, "copied_blocks"), _per_step(ctx, got, "selected_blocks")
     # per step from here on: a call ran k steps
-    pipelined, ts, host, host_period = pipelined / k, [t / k for t in ts], [t / k for t in host], [host_period[0] / k]
+    pipelined, host_period = pipelined / per_call, [host_period[0] / per_call]
+    ts, host = [t / per_call for t in ts], [t / per_call for t in host]
     med = float(np.median(ts))
     scale = full.num_layers / cfg.num_layers
     per_layer_copy_scale = (full.num_layers - 1) / (cfg.num_layers - 1)
     bb = block_bytes(cfg)
     rec.update(
         status="ok" if chk["passed"] else "check_failed",
-        steps_timed=steps * k, warmup_steps=warmup * k, step_seconds=pipelined, tokens_per_s_timed_layers=batch / pipelined,
+        steps_timed=steps * per_call, warmup_steps=warmup * per_call, step_seconds=pipelined, tokens_per_s_timed_layers=batch / pipelined,
         step_seconds_scaled=pipelined * scale, tokens_per_s=batch / (pipelined * scale),
         sync_step_seconds=med, sync_step_seconds_min=float(min(ts)), sync_step_seconds_max=float(max(ts)),
         sync_tokens_per_s=batch / (med * scale),

@@ -301,6 +301,11 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                     # (--steps-per-call 8: the step's buffers keep their addresses inside a call, so XLA records its
                     # graphs once a call, not at every step), XLA's command-buffer log beside it (~300 s)
       logged_decode claims32_loop 540 "$CLAIMS_ROWS" "${CLAIMS32[@]}" --steps-per-call 8 --budget-s 480 ;;
+    claims32-loop-mid)  # the same in the loop at the miss rates between (reuse 0.5 and 0.6: ~0.31 and ~0.25), where
+                        # the fifteenth session's rows put the ratio's peak (SparDA's copy just under its compute):
+                        # a projection of ~1.9 near 0.27 to test, not a claim (~300 s)
+      logged_decode claims32_loop_mid 540 "$CLAIMS_ROWS" --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+        --modes sparse sparda --reuse-fractions 0.5 0.6 --copy-start doorbell --steps-per-call 8 --budget-s 480 ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do

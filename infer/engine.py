@@ -51,9 +51,10 @@ from sparda_jax.kernels.copy_engine import (COPY_GROUP, FFI_IMPLEMENTATIONS, aut
                                             paper_num_ctas, resolve_implementation, scatter_blocks)
 
 from .blockcache import assign_slots
+from .generate import sample_next
 
 __all__ = ["ENGINE_MODES", "OFFLOAD_MODES", "OffloadState", "engine_prefill", "engine_decode_step",
-           "engine_decode_steps", "selector_of", "memory_report", "per_layer", "stacked"]
+           "engine_decode_steps", "engine_generate_steps", "selector_of", "memory_report", "per_layer", "stacked"]
 
 OFFLOAD_MODES = ("sparse", "infinigen", "sparda_sync", "sparda")
 RESIDENT_MODES = {"dense_resident": "dense", "sparse_resident": "sparse"}
@@ -532,35 +533,54 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     return unembed(params, x, c)[:, 0], new, stats
 
 
-def _engine_decode_loop_impl(params, tokens, positions, state, forecast, infinigen, *, plan):
-    """tokens, positions [n, B]: step i decodes tokens[i] at positions[i], all n in one program.
-    plan: an `_EnginePlan` (offload modes) or the resident modes' `sparda_jax.modes` plan.
+def _engine_decode_loop_impl(params, tokens, positions, state, forecast, infinigen, keys=None, *, plan,
+                             sampling=None):
+    """n decode steps in one program; plan: an `_EnginePlan` (offload modes) or the resident
+    modes' `sparda_jax.modes` plan.
+    sampling None: tokens, positions [n, B]; step i decodes tokens[i] at positions[i]. Returns
+    (logits [n, B, V] float32, state, stats).
+    sampling (temperature, top_p): tokens [B], the first token; positions [n, B]; keys [n]. Step
+    i + 1 decodes the token `sample_next` drew from step i's logits with keys[i]. Returns (the
+    drawn tokens [n, B] int32, state, stats).
+    stats: copied_blocks and selected_blocks per step, [n] each.
 
     Why one program: a decode step called from Python is one XLA execution, and XLA re-records
     each of its CUDA graphs whose buffers the allocator placed elsewhere than at the last call.
     At full depth a third or fourth allocation of SparDA's step moved at nearly every call, and
     re-recording its 1405-command graph then took 4-10 ms of host time, about the device's whole
-    step (bench/results/graph_updates/claims32_*.log.gz, sparda32_step_b30a6b0.log.gz). Inside one program every buffer keeps its
-    address for all n steps, and a loop of static trip count runs its body n times with no host
-    sync (XLA's WhileThunk reads no predicate back when it knows the trip count). Nothing is in
-    flight across iterations: every copy a step starts is waited on in that step."""
-    n = tokens.shape[0]
+    step (bench/results/graph_updates/: claims32_*.log.gz, sparda32_step_b30a6b0.log.gz). Inside
+    one program every buffer keeps its address for all n steps, and a loop of static trip count
+    runs its body n times with no host sync (XLA's WhileThunk reads no predicate back when it
+    knows the trip count). Nothing is in flight across iterations: every copy a step starts is
+    waited on in that step."""
+    n, b = positions.shape
 
-    def body(i, carry):
-        st, logits, copied, selected = carry
+    def step(i, tok, st, copied, selected):
         if isinstance(plan, _EnginePlan):
-            lg, st, stats = _engine_decode_impl(params, tokens[i], positions[i], st, forecast, infinigen, plan=plan)
+            lg, st, stats = _engine_decode_impl(params, tok, positions[i], st, forecast, infinigen, plan=plan)
             copied, selected = copied.at[i].set(stats["copied_blocks"]), selected.at[i].set(stats["selected_blocks"])
         else:
-            lg, st = decode_program(params, tokens[i][:, None], positions[i][:, None], st, forecast, infinigen,
-                                    plan=plan)
-        return st, logits.at[i].set(lg), copied, selected
+            lg, st = decode_program(params, tok[:, None], positions[i][:, None], st, forecast, infinigen, plan=plan)
+        return lg, st, copied, selected
 
-    b, v = tokens.shape[1], plan.config.vocab_size
     zeros = jnp.zeros((n,), jnp.int32)
-    state, logits, copied, selected = jax.lax.fori_loop(
-        0, n, body, (state, jnp.zeros((n, b, v), jnp.float32), zeros, zeros))
-    return logits, state, {"copied_blocks": copied, "selected_blocks": selected}
+    if sampling is None:
+        def body(i, carry):
+            st, out, copied, selected = carry
+            lg, st, copied, selected = step(i, tokens[i], st, copied, selected)
+            return st, out.at[i].set(lg), copied, selected
+        out = jnp.zeros((n, b, plan.config.vocab_size), jnp.float32)
+    else:
+        def body(i, carry):
+            (st, tok), out, copied, selected = carry
+            lg, st, copied, selected = step(i, tok, st, copied, selected)
+            tok = sample_next(lg, keys[i], *sampling)
+            return (st, tok), out.at[i].set(tok), copied, selected
+        state, out = (state, tokens.astype(jnp.int32)), jnp.zeros((n, b), jnp.int32)
+    state, out, copied, selected = jax.lax.fori_loop(0, n, body, (state, out, zeros, zeros))
+    if sampling is not None:
+        state = state[0]
+    return out, state, {"copied_blocks": copied, "selected_blocks": selected}
 
 
 _DECODE_JIT = dict(static_argnames=("plan",), donate_argnames=("state",))
@@ -571,7 +591,9 @@ def _compiled(impl, scheduling: str | None):
     """impl jitted with XLA's command-buffer scheduling `scheduling` (a compile option of this
     program alone, not a process-wide XLA_FLAGS; None: XLA's own)."""
     opts = {} if scheduling is None else {"compiler_options": {"xla_gpu_command_buffer_scheduling_mode": scheduling}}
-    return jax.jit(impl, **_DECODE_JIT, **opts)
+    if impl is _engine_decode_loop_impl:
+        opts["static_argnames"] = ("plan", "sampling")
+    return jax.jit(impl, **{**_DECODE_JIT, **opts})
 
 
 _engine_decode = _compiled(_engine_decode_impl, None)  # the step under XLA's own graph scheduling
@@ -686,17 +708,48 @@ def engine_decode_steps(params, tokens, positions, state, config: ModelConfig, *
     Why: each call from Python is one XLA execution, and at full depth XLA re-recorded SparDA's
     CUDA graph at nearly every call, for longer than the device took for the step (see
     `_engine_decode_loop_impl`); here the buffers keep their addresses for all n steps."""
+    positions = _loop_positions(positions)
+    if np.shape(tokens) != positions.shape:
+        raise ValueError(f"engine_decode_steps takes tokens of the positions' shape {positions.shape}, "
+                         f"got {np.shape(tokens)}")
+    return _loop(params, tokens, positions, None, state, config, mode, forecast, infinigen, dtype, None, options)
+
+
+def engine_generate_steps(params, tokens, positions, keys, state, config: ModelConfig, *, mode: str,
+                          temperature: float = 0.0, top_p: float = 1.0, forecast=None, infinigen=None,
+                          dtype=jnp.float32, **options):
+    """n decode steps in one device program, each fed the token the last one drew: tokens int
+    [B], the first token of each sequence; positions int [n, B], where step i writes its token;
+    keys [n] (`jax.random.split`), step i's draw. Step i decodes its token and draws the next
+    with `infer.generate.sample_next(logits, keys[i], temperature, top_p)` (greedy at
+    temperature 0). Returns (the drawn tokens [n, B] int32, state, stats per step ([n] each)):
+    the tokens n calls of `engine_decode_step` and `sample_next` give, with the keys given, and
+    without a host round trip between steps (see `engine_decode_steps`). Options as there."""
+    positions = _loop_positions(positions)
+    if np.shape(tokens) != positions.shape[1:]:
+        raise ValueError(f"engine_generate_steps takes one first token per sequence {positions.shape[1:]}, "
+                         f"got {np.shape(tokens)}")
+    if len(keys) != positions.shape[0]:
+        raise ValueError(f"engine_generate_steps takes one key per step ({positions.shape[0]}), got {len(keys)}")
+    return _loop(params, tokens, positions, keys, state, config, mode, forecast, infinigen, dtype,
+                 (float(temperature), float(top_p)), options)
+
+
+def _loop_positions(positions) -> np.ndarray:
     positions = np.asarray(positions)  # host-side checks need it concrete, as engine_decode_step's
-    if positions.ndim != 2 or np.shape(tokens) != positions.shape or positions.shape[0] < 1:
-        raise ValueError(f"engine_decode_steps takes tokens and positions of one shape [n >= 1, B], got "
-                         f"{np.shape(tokens)} and {positions.shape}")
+    if positions.ndim != 2 or positions.shape[0] < 1:
+        raise ValueError(f"positions of n >= 1 steps take the shape [n, B], got {positions.shape}")
+    return positions
+
+
+def _loop(params, tokens, positions, keys, state, config, mode, forecast, infinigen, dtype, sampling, options):
     tokens = jnp.asarray(tokens)
     if not (jnp.issubdtype(tokens.dtype, jnp.integer) and np.issubdtype(positions.dtype, np.integer)):
         raise TypeError(f"tokens and positions must be integers, got {tokens.dtype} and {positions.dtype}")
     plan, state = _step_plan(params, positions, state, config, mode=mode, forecast=forecast, infinigen=infinigen,
                              dtype=dtype, **options)
-    return _decode_program(plan, loop=True)(params, tokens.astype(jnp.int32), jnp.asarray(positions, jnp.int32), state, forecast, infinigen,
-                   plan=plan)
+    return _decode_program(plan, loop=True)(params, tokens.astype(jnp.int32), jnp.asarray(positions, jnp.int32),
+                                            state, forecast, infinigen, keys, plan=plan, sampling=sampling)
 
 
 def _step_plan(params, positions, state, config: ModelConfig, *, mode: str, forecast, infinigen, dtype, **options):

@@ -62,7 +62,8 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
              *, stop_ids: Sequence[int] = (), dtype=jnp.float32, mode: str = "dense", forecast=None,
              infinigen=None, system: str | None = None, reuse: bool = True, return_stats: bool = False,
-             on_step: Callable[[list[list[int]]], None] | None = None, pad_to: int | None = None):
+             on_step: Callable[[list[list[int]]], None] | None = None, pad_to: int | None = None,
+             steps_per_call: int = 1):
     """Generate for a batch of token-id prompts; returns the new tokens of each (stop token
     excluded), and with return_stats a dict of engine counters.
 
@@ -74,9 +75,14 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     holding a second copy of the weights if the stacked tree is kept too.
     `on_step(generated)` is called after every step. pad_to: pad the
     prompts to at least this many tokens, so that batches of different prompt lengths share
-    one compiled prefill and decode step."""
+    one compiled prefill and decode step. steps_per_call (engine systems): decode that many
+    tokens in one device program (`infer.engine.engine_generate_steps`, sampling on the device),
+    then stream them: the same tokens and counters, without a host round trip and a re-recording
+    of XLA's graphs at every step (decisions.md, "The fix: n steps in one program")."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if steps_per_call < 1 or (steps_per_call > 1 and system is None):
+        raise ValueError(f"steps_per_call must be 1, or > 1 with an engine system (system=...), got {steps_per_call}")
     lengths = np.array([len(p) for p in prompts], np.int32)
     t_pad = -(-max(int(lengths.max()), pad_to or 0) // PAD_MULTIPLE) * PAD_MULTIPLE
     cache_size = t_pad + sampling.max_new_tokens
@@ -111,6 +117,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     counts = []  # each step's device counters, read once at the end
     key, sub = jax.random.split(key)
     nxt = sample_next(logits, sub, sampling.temperature, sampling.top_p)
+    if steps_per_call > 1:
+        return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
+                                  steps_per_call, on_step, return_stats, run, reuse)
     for step in range(sampling.max_new_tokens):
         ahead = None
         if step < sampling.max_new_tokens - 1:
@@ -121,13 +130,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
             positions = positions + 1
             key, sub = jax.random.split(key)
             ahead = (sample_next(logits, sub, sampling.temperature, sampling.top_p), st)
-        for i, t in enumerate(np.asarray(nxt)):
-            if done[i]:
-                continue
-            if int(t) in stop:
-                done[i] = True
-            else:
-                out[i].append(int(t))
+        _record(nxt, out, done, stop)
         if on_step is not None:
             on_step(out)
         if ahead is None or done.all():
@@ -138,4 +141,50 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     for c in counts:
         for k, v in c.items():
             stats[k] += int(v)
+    return (out, stats) if return_stats else out
+
+
+def _record(tokens, out, done, stop) -> None:
+    """Append each running sequence's token, or end it at a stop token (not appended)."""
+    for i, t in enumerate(np.asarray(tokens)):
+        if done[i]:
+            continue
+        if int(t) in stop:
+            done[i] = True
+        else:
+            out[i].append(int(t))
+
+
+def _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling, per_call,
+                       on_step, return_stats, run, reuse):
+    """`generate`'s decode loop with `per_call` steps a device program: a step counts (and its
+    token is read) as in the one-step loop, only while some sequence still runs."""
+    from .engine import engine_generate_steps
+
+    _record(nxt, out, done, stop)
+    if on_step is not None:
+        on_step(out)
+    remaining = sampling.max_new_tokens - 1
+    while remaining > 0 and not done.all():
+        n = min(per_call, remaining)
+        keys = []
+        for _ in range(n):  # the keys the one-step loop would split, in its order
+            key, sub = jax.random.split(key)
+            keys.append(sub)
+        pos = positions[None] + np.arange(n, dtype=positions.dtype)[:, None]
+        drawn, state, st = engine_generate_steps(params, nxt, pos, jnp.stack(keys), state, config,
+                                                 temperature=sampling.temperature, top_p=sampling.top_p,
+                                                 reuse=reuse, **run)
+        positions, remaining = positions + n, remaining - n
+        drawn, copied, selected = (np.asarray(x) for x in (drawn, st["copied_blocks"], st["selected_blocks"]))
+        for i in range(n):
+            if done.all():  # the steps past every stop token are discarded uncounted
+                break
+            stats["steps"] += 1
+            stats["copied_blocks"] += int(copied[i])
+            stats["selected_blocks"] += int(selected[i])
+            _record(drawn[i], out, done, stop)
+            if on_step is not None:
+                on_step(out)
+        nxt = jnp.asarray(drawn[-1])
     return (out, stats) if return_stats else out

@@ -93,7 +93,7 @@ def _cmd_generate(args) -> int:
     kw.pop("mode")
     t0 = time.perf_counter()
     out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
-                   dtype=model.dtype, system=args.system, on_step=stream, **kw)
+                   dtype=model.dtype, system=args.system, on_step=stream, steps_per_call=args.steps_per_call, **kw)
     dt = time.perf_counter() - t0
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
@@ -262,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--system", default="dense_resident",
                    choices=["dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda"],
                    help="attention system; the last four keep the KV of layers 1.. in host memory")
+    g.add_argument("--steps-per-call", type=int, default=1,
+                   help="tokens drawn per device program (sampling on the device, streamed after each call): "
+                        "on a GPU at full depth, one program per step is bound by the host")
     g.set_defaults(fn=_cmd_generate)
 
     d = sub.add_parser("demo", help="long-context retrieval on the default model (the README's main job)")

@@ -11,8 +11,9 @@ from sparda_jax.cli import main
 
 
 def test_generate_streams_an_answer(capsys):
+    # 4 tokens a device program (engine_generate_steps); the one-step loop is the default, tested in test_engine.py
     assert main(["generate", "--prompt", "What is the capital of France?", "--max-new-tokens", "12",
-                 "--system", "sparda"]) == 0
+                 "--system", "sparda", "--steps-per-call", "4"]) == 0
     out = capsys.readouterr()
     assert "Paris" in out.out
     assert "new tokens" in out.err

@@ -528,7 +528,7 @@ def test_decode_steps_in_one_program_equal_the_steps_called_one_by_one(setup, mo
         assert unaliased_copies(copy_impl) == (0, 0)
     if mode == "sparse":  # something moved after the first step, so the equality above says something
         assert copied[0] > 0 and sum(copied[1:]) > 0
-        with pytest.raises(ValueError, match=r"one shape \[n >= 1, B\]"):
+        with pytest.raises(ValueError, match=r"take the shape \[n, B\]"):
             engine_decode_steps(params, toks[0], pos[0], st, TINY, **kw)
         with pytest.raises(ValueError, match="sequences"):
             engine_decode_steps(params, toks[:, :1], pos[:, :1], st, TINY, **kw)
@@ -576,6 +576,43 @@ def test_generation_stops_where_a_stop_token_comes_and_counts_only_the_steps_it_
     assert cut == [free[0][:k]] and free_stats["steps"] == 11
     assert stats["steps"] == k  # the decode steps that produced tokens 1..k, not one more
     assert 0 < stats["selected_blocks"] < free_stats["selected_blocks"]
+
+
+def test_generation_in_device_calls_equals_the_one_step_loop(setup):
+    """steps_per_call: the engine draws the tokens on the device, several steps a program
+    (`engine_generate_steps`); with the keys the one-step loop splits, the tokens, the streamed
+    prefixes and the counters are the same, sampled or greedy, a stop token mid-call included
+    (its call's later steps are discarded uncounted)."""
+    from sparda_jax.infer.engine import engine_generate_steps
+    from sparda_jax.infer.generate import SamplingConfig, generate
+
+    params, forecast, _ = setup
+    prompts = [list(range(1, 80)), list(range(5, 70))]
+    sampled = SamplingConfig(temperature=0.8, top_p=0.9, max_new_tokens=14, seed=3)  # calls of 4, 4, 4, 1 steps
+    runs = []
+    for k in (1, 4):
+        seen = []
+        runs.append((generate(params, TINY, prompts, sampled, system="sparda", forecast=forecast, return_stats=True,
+                              steps_per_call=k, on_step=lambda o: seen.append([list(x) for x in o])), seen))
+    (one, one_seen), (calls, calls_seen) = runs
+    assert calls == one and calls_seen == one_seen and one[1]["steps"] == 13
+    greedy = SamplingConfig(max_new_tokens=12)
+    free = generate(params, TINY, [prompts[0]], greedy, system="sparse")[0]
+    k = next(i for i in range(5, 12) if free[i] not in free[:i])  # a stop token in the second call of 4
+    cut = [generate(params, TINY, [prompts[0]], greedy, system="sparse", stop_ids=[free[k]], return_stats=True,
+                    steps_per_call=n) for n in (1, 4)]
+    assert cut[0] == cut[1] and cut[0][0] == [free[:k]] and cut[0][1]["steps"] == k
+    with pytest.raises(ValueError, match="engine system"):
+        generate(params, TINY, prompts, greedy, mode="sparda", forecast=forecast, steps_per_call=4)
+    _, st = engine_prefill(params, jnp.ones((2, 70), jnp.int32), jnp.array([70, 59]), TINY, mode="sparse",
+                           cache_size=90)
+    pos = np.array([[70, 59], [71, 60]])
+    with pytest.raises(ValueError, match="one key per step"):
+        engine_generate_steps(params, jnp.ones(2, jnp.int32), pos, jax.random.split(jax.random.key(0), 3), st, TINY,
+                              mode="sparse")
+    with pytest.raises(ValueError, match="one first token per sequence"):
+        engine_generate_steps(params, jnp.ones((2, 2), jnp.int32), pos, jax.random.split(jax.random.key(0), 2), st,
+                              TINY, mode="sparse")
 
 
 def test_lane_ctas_split_the_quota_by_bytes():

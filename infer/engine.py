@@ -563,23 +563,17 @@ def _engine_decode_loop_impl(params, tokens, positions, state, forecast, infinig
             lg, st = decode_program(params, tok[:, None], positions[i][:, None], st, forecast, infinigen, plan=plan)
         return lg, st, copied, selected
 
-    zeros = jnp.zeros((n,), jnp.int32)
-    if sampling is None:
-        def body(i, carry):
-            st, out, copied, selected = carry
-            lg, st, copied, selected = step(i, tokens[i], st, copied, selected)
-            return st, out.at[i].set(lg), copied, selected
-        out = jnp.zeros((n, b, plan.config.vocab_size), jnp.float32)
-    else:
-        def body(i, carry):
-            (st, tok), out, copied, selected = carry
-            lg, st, copied, selected = step(i, tok, st, copied, selected)
+    def body(i, carry):
+        st, tok, out, copied, selected = carry  # tok: the drawn token (sampling), else unused
+        lg, st, copied, selected = step(i, tok if sampling else tokens[i], st, copied, selected)
+        if sampling:
             tok = sample_next(lg, keys[i], *sampling)
-            return (st, tok), out.at[i].set(tok), copied, selected
-        state, out = (state, tokens.astype(jnp.int32)), jnp.zeros((n, b), jnp.int32)
-    state, out, copied, selected = jax.lax.fori_loop(0, n, body, (state, out, zeros, zeros))
-    if sampling is not None:
-        state = state[0]
+        return st, tok, out.at[i].set(tok if sampling else lg), copied, selected
+
+    first = tokens if sampling else tokens[0]
+    out = jnp.zeros((n, b), jnp.int32) if sampling else jnp.zeros((n, b, plan.config.vocab_size), jnp.float32)
+    zeros = jnp.zeros((n,), jnp.int32)
+    state, _, out, copied, selected = jax.lax.fori_loop(0, n, body, (state, first, out, zeros, zeros))
     return out, state, {"copied_blocks": copied, "selected_blocks": selected}
 
 

@@ -16,7 +16,8 @@ logged_decode() {
 }
 # the batch-8 claim's rows at full depth with the doorbell copies (Sparse and SparDA, random traffic and
 # SmolLM2's miss rates), shared by the stages that time it under one setting each, and their table lines
-CLAIMS32=(--lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparse sparda --reuse-fractions
+FULL32=(--lengths 131072 --batches 8 --layers 32 --repeats 12)  # 128K, batch 8, every layer timed
+CLAIMS32=("${FULL32[@]}" --modes sparse sparda --reuse-fractions
           --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell)
 CLAIMS_ROWS="^\| (Sparse|SparDA)|SparDA / Sparse"
 for stage in "$@"; do
@@ -304,12 +305,12 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
     claims32-loop-mid)  # the same in the loop at the miss rates between (reuse 0.5 and 0.6: ~0.31 and ~0.25), where
                         # the fifteenth session's rows put the ratio's peak (SparDA's copy just under its compute):
                         # a projection of ~1.9 near 0.27 to test, not a claim (~300 s)
-      logged_decode claims32_loop_mid 540 "$CLAIMS_ROWS" --lengths 131072 --batches 8 --layers 32 --repeats 12 \
+      logged_decode claims32_loop_mid 540 "$CLAIMS_ROWS" "${FULL32[@]}" \
         --modes sparse sparda --reuse-fractions 0.5 0.6 --copy-start doorbell --steps-per-call 8 --budget-s 480 ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do
-        logged_decode sparda32_k$K 280 "^\| SparDA" --lengths 131072 --batches 8 --layers 32 --repeats 12 --modes sparda \
+        logged_decode sparda32_k$K 280 "^\| SparDA" "${FULL32[@]}" --modes sparda \
           --reuse-fractions --real-miss-rate sparda=0.086 --copy-start doorbell --steps-per-call $K --budget-s 240
       done ;;
     doorbell)  # the doorbell copies (copy_start "doorbell": a persistent server, rings and waits inside XLA's

@@ -307,6 +307,10 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                         # a projection of ~1.9 near 0.27 to test, not a claim (~300 s)
       logged_decode claims32_loop_mid 540 "$CLAIMS_ROWS" "${FULL32[@]}" \
         --modes sparse sparda --reuse-fractions 0.5 0.6 --copy-start doorbell --steps-per-call 8 --budget-s 480 ;;
+    generate-loop)  # generate(steps_per_call=8) against the one-step loop: the same tokens, and the time a token
+                    # (MiniCPM4.1-8B shapes, random weights, 8 layers, 4 prompts up to 32K; Sparse and SparDA) (~150 s)
+      timeout 300 python3 scripts/probes/generate_loop.py --layers 8 --context 32768 --batch 4 \
+        --out "$OUT/generate_loop.json" 2>&1 | grep -E "^\||\[generate\]|Error" ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do

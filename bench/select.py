@@ -13,6 +13,7 @@ is left out of "best"):
   "<xla variant>@mosaic_topk"  the XLA selector with the Mosaic top-k (topk_implementation="mosaic_gpu")
                    in place of lax.top_k and the ids' sort: decode's two sorts took ~25 us of a
                    285 us layer on the H200 (bench/results/layer_breakdown_2e96975.json)
+  "<xla variant>@count_topk"   the same with the top-k by counting in XLA (topk_implementation="xla_count")
 Kernels are imported lazily: one that is missing or fails to compile records why.
 
 Prefill: every variant runs on the same query slice (runs of 512 consecutive queries spread
@@ -41,7 +42,8 @@ from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
 __all__ = ["bench_select", "selector", "id_check", "plot", "table"]
 
 # kernels under test last: a fault that kills the process loses only them (JSON snapshots)
-VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_xla@mosaic_topk", "infllmv2_xla@mosaic_topk",
+VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_xla@count_topk", "infllmv2_xla@count_topk",
+            "forecast_xla@mosaic_topk", "infllmv2_xla@mosaic_topk",
             "forecast_mosaic", "forecast_mosaic@bisect", "infllmv2_mosaic", "infllmv2_mosaic@bisect")
 # Reduced precision only swaps near-tied blocks at the top-k boundary (a few ids in a thousand);
 # a wrong mask or pooling keeps little more than the 34 forced blocks of 96 (agreement ~0.4).
@@ -57,12 +59,13 @@ def selector(name: str, sparse, n_blocks: int):
     # implementation="xla" explicitly: the selectors' default picks the Mosaic kernels for prefill on
     # Hopper, which made the 38553b9 run's prefill "xla" rows time the kernels a second time
     if base in ("forecast_xla", "infllmv2_xla"):
-        if impl not in ("", "mosaic_topk"):
+        topk = {"": "xla", "mosaic_topk": "mosaic_gpu", "count_topk": "xla_count"}.get(impl)
+        if topk is None:
             raise ValueError(f"unknown selection variant {name!r}")
         fam, fn = (("forecast", select_blocks_forecast) if base == "forecast_xla"
                    else ("infllmv2", select_blocks_infllmv2))
         return fam, functools.partial(fn, sparse=sparse, n_blocks=n_blocks, implementation="xla",
-                                      topk_implementation="mosaic_gpu" if impl else "xla")
+                                      topk_implementation=topk)
     if base == "forecast_mosaic":
         from sparda_jax.kernels.forecast_select import forecast_select
 

@@ -43,7 +43,12 @@ def assign_slots(table: jax.Array, wanted: jax.Array, *, reuse: bool = True) -> 
     keep = jnp.any(match, axis=-2)  # [..., n_slots] slots holding a wanted block
     free = ~keep
     missing = valid & ~resident
-    miss_rank = jnp.cumsum(missing, axis=-1) - 1  # [..., n]
+    # the rank of each missing block among the missing ones: a masked sum over a triangle, not
+    # jnp.cumsum, which XLA's GPU backend lowered to a reduce_window run by one CTA of n threads
+    # (9.7 us of each decode layer at batch 8, bench/results/layer_breakdown_2e96975.json)
+    ar = jnp.arange(n)
+    upto = (ar[None, :] <= ar[:, None]).reshape((1,) * (wanted.ndim - 1) + (n, n))
+    miss_rank = jnp.sum(missing[..., None, :] & upto, axis=-1) - 1  # [..., n]
     # fill empty slots first, then evict unselected blocks, lowest slot first: a block that
     # was not selected now may be selected again soon, so it stays as long as there is room
     prio = jnp.where(table >= 0, n_slots, 0) + jnp.arange(n_slots).reshape((1,) * (table.ndim - 1) + (-1,))

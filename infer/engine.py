@@ -206,7 +206,8 @@ class _EnginePlan:
     # copy_start "graph" needs CONCURRENT: see `_scheduling`)
     graph_scheduling: str | None = None
     # the selectors' top-k (`sparda_jax.select.finalize_topk`): "xla" (lax.top_k and a sort of
-    # the ids) or "mosaic_gpu" (the sort-free Mosaic kernel; "mosaic_gpu_interpret" on the CPU)
+    # the ids), "xla_count" (ranks by counting, no sort) or "mosaic_gpu" (the sort-free Mosaic
+    # kernel; "mosaic_gpu_interpret" on the CPU)
     topk_impl: str = "xla"
 
 
@@ -678,8 +679,8 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, *,
     its host time from 10.4 to 6.2 ms (bench/results/decode_depth_graph.json against
     decode_b8_32layers.json, two calls). The asynchronous starts and waits of "sparda" stay cuts.
     False: the calls of before, cut points of XLA's graphs.
-    topk_impl: the selectors' top-k, "xla" or "mosaic_gpu" (Hopper; "mosaic_gpu_interpret" on the
-    CPU): the same ids (`sparda_jax.select.finalize_topk`); the offload modes only."""
+    topk_impl: the selectors' top-k, "xla", "xla_count" or "mosaic_gpu" (Hopper; "mosaic_gpu_interpret"
+    on the CPU): the same ids (`sparda_jax.select.finalize_topk`); the offload modes only."""
     plan, state = _step_plan(params, positions, state, config, mode=mode, forecast=forecast, infinigen=infinigen,
                              dtype=dtype, reuse=reuse, copy_impl=copy_impl, num_ctas=num_ctas,
                              attention_impl=attention_impl, skip_copies=skip_copies, copy_group=copy_group,

@@ -311,6 +311,23 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                     # (MiniCPM4.1-8B shapes, random weights, 8 layers, 4 prompts up to 32K; Sparse and SparDA) (~150 s)
       timeout 300 python3 scripts/probes/generate_loop.py --layers 8 --context 32768 --batch 4 \
         --out "$OUT/generate_loop.json" 2>&1 | grep -E "^\||\[generate\]|Error" ;;
+    topk-count)  # the top-k by counting (topk_impl "xla_count": no sort) on the GPU: its tests (the 128K decode
+                 # case against the host contract; in the engine's step against lax.top_k's blocks) and the loop's,
+                 # then decode selection at 128K, batch 8 and 16, against lax.top_k (~250 s)
+      CUDA_MODULE_LOADING=EAGER JAX_DEFAULT_MATMUL_PRECISION=highest timeout 240 python3 -m pytest -m gpu -q -rf \
+        -p no:cacheprovider tests/test_kernel_select.py tests/test_engine.py \
+        -k "compiled_decode_topk or (topk_kernel_equals and xla_count) or decode_steps_in_one" 2>&1 \
+        | grep -vE "^(E[0-9]{4}|===|external/)" > "$OUT/gpu_tests_count.log"
+      grep -E "passed|failed|error" "$OUT/gpu_tests_count.log"
+      timeout 150 python3 -m sparda_jax.cli bench select --decode-only --lengths 131072 --decode-batches 8 16 \
+        --variants forecast_xla forecast_xla@count_topk infllmv2_xla infllmv2_xla@count_topk --budget-s 110 \
+        --out "$OUT/select_decode_count.json" 2>&1 | tail -8 ;;
+    claims32-count)  # the batch-8 claim's rows in the loop with the top-k by counting (--topk-impl xla_count) and
+                     # the pool and slot ranks without reduce_window: random traffic, the peak's miss rate (reuse
+                     # 0.62, ~0.23) and SmolLM2's (~420 s)
+      logged_decode claims32_count 560 "$CLAIMS_ROWS" "${FULL32[@]}" --modes sparse sparda --reuse-fractions 0.62 \
+        --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --steps-per-call 8 --topk-impl xla_count \
+        --budget-s 500 ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do

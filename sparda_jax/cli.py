@@ -369,9 +369,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: decode steps in each timed call, run as one device program "
                          "(infer.engine.engine_decode_steps; XLA records its graphs once for all of them); "
                          "times stay per step")
-    bn.add_argument("--topk-impl", choices=["xla", "mosaic_gpu"], default="xla",
+    bn.add_argument("--topk-impl", choices=["xla", "xla_count", "mosaic_gpu"], default="xla",
                     help="decode: the selectors' top-k in the engine's step (the engine's topk_impl): XLA's "
-                         "lax.top_k and sort, or the sort-free Mosaic kernel (Hopper)")
+                         "lax.top_k and sort, XLA's ranks by counting (no sort), or the sort-free Mosaic "
+                         "kernel (Hopper)")
     bn.add_argument("--copy-in-graph", action=argparse.BooleanOptionalAction, default=True,
                     help="decode: the synchronous gather and the write-back as custom calls XLA may record into "
                          "its CUDA graphs (the engine's copy_in_graph, default); --no-copy-in-graph: graph cuts")

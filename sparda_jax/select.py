@@ -41,6 +41,7 @@ __all__ = [
     "n_blocks_for",
     "pool_to_blocks",
     "finalize_topk",
+    "topk_by_count",
     "TOPK_IMPLEMENTATIONS",
     "infllmv2_chunk_scores",
     "forecast_chunk_scores",
@@ -54,8 +55,9 @@ __all__ = [
 ]
 
 INF = jnp.inf
-# `finalize_topk`'s top-k: lax.top_k, or the sort-free Mosaic kernel (compiled, or interpreted on the CPU)
-TOPK_IMPLEMENTATIONS = ("xla", "mosaic_gpu", "mosaic_gpu_interpret")
+# `finalize_topk`'s top-k: lax.top_k, ranks by counting in XLA, or the sort-free Mosaic kernel
+# (compiled, or interpreted on the CPU)
+TOPK_IMPLEMENTATIONS = ("xla", "xla_count", "mosaic_gpu", "mosaic_gpu_interpret")
 
 
 def n_blocks_for(n_chunks: int, sparse: SparseConfig) -> int:
@@ -78,10 +80,17 @@ def pool_to_blocks(scores: jax.Array, n_blocks: int, sparse: SparseConfig) -> ja
         x = scores[..., :need]
     else:
         x = jnp.pad(scores, [(0, 0)] * (scores.ndim - 1) + [(0, need - n)], constant_values=-INF)
-    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(left, 0)], constant_values=-INF)
-    window = (1,) * (x.ndim - 1) + (r + left,)
-    strides = (1,) * (x.ndim - 1) + (r,)
-    return jax.lax.reduce_window(x, -INF, jax.lax.max, window, strides, "VALID")
+    # block kb pools chunks r*kb - left .. r*kb + r - 1: its own r chunks (a reshape and a max)
+    # and the last `left` of the block before. Not lax.reduce_window, which XLA's GPU backend runs
+    # slowly; max is exact, so the values are the same
+    # (SparseConfig keeps kernel_size <= block_size, so left < r)
+    grouped = x.reshape(*x.shape[:-1], n_blocks, r)
+    own = jnp.max(grouped, axis=-1)
+    if left == 0:
+        return own
+    prev = jnp.max(grouped[..., r - left:], axis=-1)
+    prev = jnp.pad(prev[..., :-1], [(0, 0)] * (x.ndim - 1) + [(1, 0)], constant_values=-INF)
+    return jnp.maximum(own, prev)
 
 
 def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
@@ -89,9 +98,10 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
     """Block scores [B, K, tq, N_b] -> ids [B, K, tq, topk] (forced, causal, sorted, -1 padded).
 
     topk_implementation: "xla" (lax.top_k, then a sort of the ids: XLA sorts whole rows for
-    k > 16) or "mosaic_gpu" / "mosaic_gpu_interpret" (the sort-free Mosaic top-k of
-    kernels/forecast_select.py, `select_topk(implementation="rows")`, on the masked scores;
-    <= 2048 blocks). Both give the same ids."""
+    k > 16), "xla_count" (`topk_by_count`: no sort, N_b^2 comparisons a row; for decode, where
+    a few rows leave a sort's kernel latency-bound) or "mosaic_gpu" / "mosaic_gpu_interpret"
+    (the sort-free Mosaic top-k of kernels/forecast_select.py, `select_topk(implementation="rows")`,
+    on the masked scores; <= 2048 blocks). All give the same ids."""
     if topk_implementation not in TOPK_IMPLEMENTATIONS:
         raise ValueError(f"unknown top-k implementation {topk_implementation!r}")
     nb = block_scores.shape[-1]
@@ -102,6 +112,8 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
     if force:
         forced = candidate & ((k < sparse.init_blocks) | (k >= q_blk - sparse.local_blocks))
         s = jnp.where(forced, INF, s)
+    if topk_implementation == "xla_count":
+        return topk_by_count(s, topk)
     if topk_implementation != "xla":
         from sparda_jax.kernels.forecast_select import MAX_BLOCKS, select_topk
 
@@ -119,6 +131,29 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
     idx = jnp.where(vals == -INF, big, idx.astype(jnp.int32))
     idx = jnp.sort(idx, axis=-1)
     return jnp.where(idx == big, -1, idx)
+
+
+def topk_by_count(s: jax.Array, topk: int) -> jax.Array:
+    """Scores [..., N] -> the ids of the `topk` largest, ascending, -1 padded; -inf never chosen;
+    ties to the lower id (lax.top_k's order). Without a sort: an element's rank is the number
+    of elements ahead of it (larger, or equal at a lower id), the chosen are those ranked below
+    topk, and an id's place in the output is the number of chosen ids below it. Three fused
+    comparisons and sums of N^2 (rank, place) and topk x N (output) elements a row, each one
+    parallel XLA reduction: at decode (16 rows of 2048 blocks at batch 8) the sort-based top-k was
+    one CTA a row (21.6 us, bench/results/layer_breakdown_2e96975.json). Scores must not be NaN."""
+    n = s.shape[-1]
+    lead = (1,) * (s.ndim - 1)
+    i = jnp.arange(n)
+    lower = (i[None, :] < i[:, None]).reshape(lead + (n, n))  # column j is a lower id than row i
+    # compare in lax.top_k's total order, where -0.0 < +0.0: float32 bits mapped to monotone int32
+    bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.int32)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    si, sj = key[..., :, None], key[..., None, :]
+    rank = jnp.sum((sj > si) | ((sj == si) & lower), axis=-1)  # [..., N]
+    chosen = (rank < topk) & (s > -INF)
+    place = jnp.sum(chosen[..., None, :] & lower, axis=-1)  # chosen ids below each id
+    slot = jnp.where(chosen, place, -1)[..., None, :] == jnp.arange(topk).reshape(lead + (topk, 1))  # [..., topk, N]
+    return (jnp.sum(jnp.where(slot, (i + 1).reshape(lead + (1, n)), 0), axis=-1) - 1).astype(jnp.int32)
 
 
 def infllmv2_chunk_scores(q, kc, q_positions, sparse: SparseConfig, kc_coarse=None) -> jax.Array:

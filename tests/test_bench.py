@@ -308,15 +308,16 @@ def test_select_bench_decode_only_with_the_topk_kernel_variant(tmp_path):
     from sparda_jax.bench.select import bench_select, selector
     from sparda_jax.config import SparseConfig
 
-    r = bench_select("tiny", variants=("forecast_xla", "forecast_xla@mosaic_topk"), prefill=False,
-                     **_tiny_kw(tmp_path, "select_decode"))
+    r = bench_select("tiny", variants=("forecast_xla", "forecast_xla@count_topk", "forecast_xla@mosaic_topk"),
+                     prefill=False, **_tiny_kw(tmp_path, "select_decode"))
     assert r["config"]["phases"] == ["decode"] and [c["phase"] for c in r["cases"]] == ["decode"]
     v = r["cases"][0]["variants"]
-    assert v["forecast_xla"]["status"] == "ok"
+    assert v["forecast_xla"]["status"] == "ok" and v["forecast_xla@count_topk"]["status"] == "ok"
     # compiled Mosaic (not interpreted) cannot run on the CPU: the row says why, the run goes on
     assert v["forecast_xla@mosaic_topk"]["status"] != "ok" or jax.default_backend() == "gpu"
     fam, fn = selector("infllmv2_xla@mosaic_topk", SparseConfig(), 8)
     assert fam == "infllmv2" and fn.keywords["topk_implementation"] == "mosaic_gpu"
+    assert selector("forecast_xla@count_topk", SparseConfig(), 8)[1].keywords["topk_implementation"] == "xla_count"
     with pytest.raises(ValueError, match="unknown selection variant"):
         selector("forecast_xla@sort", SparseConfig(), 8)
 

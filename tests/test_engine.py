@@ -91,6 +91,11 @@ def test_topk_impl_reaches_every_layers_selection(setup, mode, monkeypatch):
     assert calls and all(impl == "rows" for _, impl in calls)
     assert (c1, s1) == (c0, s0) and c0 > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+    # the top-k by counting (XLA, no sort): the same blocks, so the same copies; logits within the
+    # CUDA copy test's 2e-5 (the programs fuse differently around the swapped top-k)
+    got, c2, s2 = _run(setup, mode, steps=20, topk_impl="xla_count")
+    assert (c2, s2) == (c0, s0)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
     with pytest.raises(ValueError, match="topk_impl must be one of"):
         _run(setup, mode, steps=13, topk_impl="sort")
 
@@ -228,14 +233,15 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start, copy_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("topk_impl", ["mosaic_gpu", "xla_count"])
 @pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "doorbell")])
-def test_cuda_step_with_the_topk_kernel_equals_xla_topk(setup, mode, copy_start):
-    """The compiled Mosaic top-k in the GPU step (topk_impl="mosaic_gpu") selects XLA's blocks:
+def test_cuda_step_with_the_topk_kernel_equals_xla_topk(setup, mode, copy_start, topk_impl):
+    """The compiled Mosaic top-k, and the top-k by counting, in the GPU step select XLA's blocks:
     the same copies exactly, and the logits of the same blocks. Those are compared as the CUDA
     copy test compares them (atol 2e-5): the two programs are fused apart by XLA, which may order
     float sums differently around the swapped top-k."""
     kw = dict(copy_impl="cuda", copy_start=copy_start, copy_in_graph=True, steps=30)
-    got, c1, s1 = _run(setup, mode, topk_impl="mosaic_gpu", **kw)
+    got, c1, s1 = _run(setup, mode, topk_impl=topk_impl, **kw)
     ref, c0, s0 = _run(setup, mode, **kw)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)

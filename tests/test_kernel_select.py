@@ -183,6 +183,30 @@ def _picked_scores(ids, masked):
     return np.sort(np.where(ids >= 0, np.take_along_axis(masked, np.maximum(ids, 0), -1), -np.inf), -1)
 
 
+@pytest.mark.parametrize("nb,topk", [(2048, 96), (300, 24), (50, 24), (20, 24)])
+def test_topk_by_count_keeps_the_contract(nb, topk):
+    """finalize_topk's "xla_count" (ranks by counting, no sort) against the host contract: pooled
+    scores from a few values, so ties at the k-th place are common, invisible chunks, rows with
+    fewer candidates than topk. With -0.0 beside +0.0 it follows lax.top_k's total order (-0.0
+    ranks lower; the host's argsort calls them equal), checked against the "xla" top-k on the CPU."""
+    from sparda_jax.select import finalize_topk
+
+    sp = SparseConfig(local_blocks=min(8, topk - 2), topk=topk, dense_len=0)
+    rng = np.random.default_rng(nb + topk)
+    bs = np.round(rng.standard_normal((3, 2, 4, nb)) * 3).astype(np.float32) / 4 + 0.125  # no zeros
+    bs[rng.random(bs.shape) < 0.1] = -np.inf
+    pos = rng.integers(0, nb * sp.block_size, (3, 4)).astype(np.int32)
+    pos[0, 0] = 5 * sp.block_size  # fewer candidates than topk
+    top = {impl: jax.jit(functools.partial(finalize_topk, topk=topk, sparse=sp, topk_implementation=impl))
+           for impl in ("xla_count", "xla")}
+    want, _ = _host_topk(bs, pos, sp)
+    assert (want[0, :, 0] == -1).any()
+    np.testing.assert_array_equal(top["xla_count"](jnp.asarray(bs), jnp.asarray(pos)), want)
+    bs = np.where(bs == 0.125, np.where(rng.random(bs.shape) < 0.5, -0.0, 0.0), bs).astype(np.float32)
+    assert (np.signbit(bs) & (bs == 0)).any() and (~np.signbit(bs) & (bs == 0)).any()
+    np.testing.assert_array_equal(*(top[i](jnp.asarray(bs), jnp.asarray(pos)) for i in top))
+
+
 @pytest.mark.gpu
 def test_compiled_decode_topk_kernel_gives_the_xla_ids():
     # decode at 128K, batch 8, the engine's budget (96 with 33 forced) and its 2048 blocks a row:
@@ -202,8 +226,10 @@ def test_compiled_decode_topk_kernel_gives_the_xla_ids():
         select_blocks_forecast(f, kc, pos, sp, implementation="xla", topk_implementation="mosaic_gpu")
     for chunk_scores, x in ((forecast_chunk_scores, f), (infllmv2_chunk_scores, q)):
         bs = jax.jit(lambda x, c=chunk_scores: pool_to_blocks(c(x, kc, pos, sp), nb, sp))(x)
-        got, ref = (jax.jit(functools.partial(finalize_topk, topk=sp.topk, sparse=sp, topk_implementation=impl))(
-            bs, pos) for impl in ("mosaic_gpu", "xla"))
+        got, count, ref = (jax.jit(functools.partial(finalize_topk, topk=sp.topk, sparse=sp,
+                                                     topk_implementation=impl))(bs, pos)
+                           for impl in ("mosaic_gpu", "xla_count", "xla"))
         want, masked = _host_topk(bs, np.asarray(pos), sp)
         np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(count, want)  # the counting top-k keeps the contract too
         np.testing.assert_array_equal(_picked_scores(np.asarray(ref), masked), _picked_scores(want, masked))

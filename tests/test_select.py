@@ -130,6 +130,25 @@ def test_pool_matches_minicpm_maxpool_geometry():
     np.testing.assert_array_equal(pooled, expected)
 
 
+@pytest.mark.parametrize("geom", GEOMS)
+def test_pool_matches_a_loop_on_random_scores(geom):
+    """The reshape-and-max pool against a loop over each block's chunk window, on random scores
+    with invisible (-inf) chunks, too few and too many chunks for the blocks."""
+    block, kernel, stride = geom
+    s = SparseConfig(block_size=block, kernel_size=kernel, kernel_stride=stride)
+    r, left = block // stride, (kernel - 1) // stride
+    rng = np.random.default_rng(block + kernel)
+    for n, nb in [(7 * r + 1, 8), (8 * r, 8), (9 * r + 3, 8)]:
+        x = rng.standard_normal((2, 3, n)).astype(np.float32)
+        x[rng.random(x.shape) < 0.2] = -np.inf
+        want = np.full((2, 3, nb), -np.inf, np.float32)
+        for k in range(nb):
+            lo, hi = max(r * k - left, 0), min(r * k + r, n)
+            if lo < hi:
+                want[..., k] = x[..., lo:hi].max(-1)
+        np.testing.assert_array_equal(np.asarray(pool_to_blocks(jnp.asarray(x), nb, s)), want)
+
+
 # ----------------------------------------------------------------------- random vs reference
 
 @pytest.mark.parametrize("geom", GEOMS)

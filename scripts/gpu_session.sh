@@ -322,12 +322,11 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       timeout 150 python3 -m sparda_jax.cli bench select --decode-only --lengths 131072 --decode-batches 8 16 \
         --variants forecast_xla forecast_xla@count_topk infllmv2_xla infllmv2_xla@count_topk --budget-s 110 \
         --out "$OUT/select_decode_count.json" 2>&1 | tail -8 ;;
-    claims32-count)  # the batch-8 claim's rows in the loop with the top-k by counting (--topk-impl xla_count) and
-                     # the pool and slot ranks without reduce_window: random traffic, the peak's miss rate (reuse
-                     # 0.62, ~0.23) and SmolLM2's (~420 s)
-      logged_decode claims32_count 560 "$CLAIMS_ROWS" "${FULL32[@]}" --modes sparse sparda --reuse-fractions 0.62 \
-        --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --steps-per-call 8 --topk-impl xla_count \
-        --budget-s 500 ;;
+    claims32-pool)  # the batch-8 claim's rows in the loop with the pool and the slots' miss ranks without
+                    # reduce_window (lax.top_k kept: the top-k by counting lost, select_decode_count.json): random
+                    # traffic, the peak's miss rate (reuse 0.62, ~0.23) and SmolLM2's (~420 s)
+      logged_decode claims32_pool 560 "$CLAIMS_ROWS" "${FULL32[@]}" --modes sparse sparda --reuse-fractions 0.62 \
+        --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --steps-per-call 8 --budget-s 500 ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do

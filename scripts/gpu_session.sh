@@ -327,6 +327,9 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                     # traffic, the peak's miss rate (reuse 0.62, ~0.23) and SmolLM2's (~420 s)
       logged_decode claims32_pool 560 "$CLAIMS_ROWS" "${FULL32[@]}" --modes sparse sparda --reuse-fractions 0.62 \
         --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --steps-per-call 8 --budget-s 500 ;;
+    generate-loop32)  # the same at full depth (32 layers), SparDA alone, 3 calls of 8 (~300 s)
+      timeout 420 python3 scripts/probes/generate_loop.py --layers 32 --context 32768 --batch 4 --systems sparda \
+        --new-tokens 25 --out "$OUT/generate_loop32.json" 2>&1 | grep -E "^\||\[generate\]|Error" ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do

@@ -59,6 +59,14 @@ def main(argv=None) -> int:
     prompts = [list(rng.integers(0, cfg.vocab_size, a.context - 64 * i)) for i in range(a.batch)]
     sampling = SamplingConfig(max_new_tokens=a.new_tokens)
     rows, ref = [], {}
+
+    def save(**extra):  # after every row: a run cut short keeps what it timed
+        if a.out:
+            res = dict(name="generate_loop", environment=environment(), config=vars(a), rows=rows,
+                       command=" ".join(["scripts/probes/generate_loop.py"] + sys.argv[1:]), **extra)
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1, default=str)
+
     for system in a.systems:
         for k in a.ks:
             t = time.perf_counter()
@@ -72,14 +80,11 @@ def main(argv=None) -> int:
                              miss_rate=stats["copied_blocks"] / max(stats["selected_blocks"], 1)))
             print(f"[generate] {system} k={k}: {per_token * 1e3:.2f} ms a token, same tokens as k=1: {same}",
                   flush=True)
+            save()
     ratios = {s: next(r["seconds_per_token"] for r in rows if r["system"] == s and r["steps_per_call"] == 1)
               / next(r["seconds_per_token"] for r in rows if r["system"] == s and r["steps_per_call"] == max(a.ks))
               for s in a.systems}
-    res = dict(name="generate_loop", environment=environment(), config=vars(a), rows=rows,
-               speedup_k_over_1=ratios, command=" ".join(["scripts/probes/generate_loop.py"] + sys.argv[1:]))
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    save(speedup_k_over_1=ratios)
     print("| system | k | ms/token | same tokens |")
     print("|---|---|---|---|")
     for r in rows:

@@ -992,13 +992,57 @@ def cta_table(r: dict) -> str:
     return "\n".join(lines)
 
 
+def traffic_groups(rows) -> dict:
+    """{(T, batch): rows} of the completed rows whose context and batch some mode ran at more than
+    one block miss rate (random traffic and emulated-reuse rows): those get a plot by traffic."""
+    groups = {}
+    for x in rows:
+        if x.get("status") == "ok" and x.get("miss_rate") is not None:
+            groups.setdefault((x["T"], x["batch"]), []).append(x)
+    return {k: v for k, v in sorted(groups.items())
+            if any(len({round(x["miss_rate"], 3) for x in v if x["mode"] == m}) > 1 for m in MODES)}
+
+
+def _plot_traffic(ax, rows, target):
+    """Step ms vs block miss rate per system, SparDA's floor (HBM or PCIe) beside; SparDA / Sparse
+    (rows paired by variant) on a second axis, with the target where there is one."""
+    for m in MODES:
+        pts = sorted((x["miss_rate"], x["step_seconds_scaled"] * 1e3) for x in rows if x["mode"] == m)
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=LABELS[m])
+    floor = sorted((x["miss_rate"], x["floor_seconds"] * 1e3) for x in rows if x["mode"] == "sparda"
+                   and x.get("floor_seconds"))
+    if floor:
+        ax.plot(*zip(*floor), "x", color="gray", label="SparDA's floor (HBM or PCIe), its rows")
+    ax.set(xlabel="block miss rate", ylabel="ms a step (scaled to full model)")
+    kind = lambda x: x["variant"].split(" ")[0]  # "random", "reuse=0.62", ...
+    sparse = {kind(x): x for x in rows if x["mode"] == "sparse"}
+    pairs = sorted((x["miss_rate"], sparse[kind(x)]["step_seconds_scaled"] / x["step_seconds_scaled"])
+                   for x in rows if x["mode"] == "sparda" and kind(x) in sparse)
+    handles = ax.get_legend_handles_labels()[0]
+    if pairs:
+        ax2 = ax.twinx()
+        ax2.plot(*zip(*pairs), "k--", marker="s", label="SparDA / Sparse")
+        if target is not None:
+            ax2.axhline(target, color="red", lw=0.8, ls=":", label=f"target {target}")
+        ax2.set_ylabel("SparDA / Sparse")
+        handles += ax2.get_legend_handles_labels()[0]
+    # one legend for both axes, under the plot: inside it would hide the points
+    ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
+
+
 def plot(json_path) -> str | None:
-    """decode.png (tokens/s vs batch per system) or cta.png from the JSON; None without matplotlib."""
+    """decode.png (tokens/s vs batch per system on random traffic; beside it, for each context and
+    batch timed at several miss rates, the step and SparDA / Sparse by miss rate) or cta.png
+    from the JSON; None without matplotlib."""
     plt, r = pyplot_and_result(json_path)
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(6, 4))
     ok = [x for x in r["rows"] if x.get("status") == "ok"]
+    groups = traffic_groups(ok) if r["name"] != "cta" else {}
+    fig, axes = plt.subplots(1, 1 + len(groups), figsize=(6 * (1 + len(groups)), 4.6 if groups else 4),
+                             squeeze=False)
+    ax = axes[0][0]
     if r["name"] == "cta":
         for b in sorted({x["batch"] for x in ok}):
             pts = sorted((x["num_ctas"], x["tokens_per_s"]) for x in ok if x["batch"] == b and not x.get("autotuned"))
@@ -1011,8 +1055,11 @@ def plot(json_path) -> str | None:
                              if x["T"] == t and x["mode"] == m and x.get("variant") == "random")
                 if pts:
                     ax.plot(*zip(*pts), "o-", label=f"{LABELS[m]} T={t}")
-        ax.set(xscale="log", xlabel="batch", ylabel="tokens/s (scaled to full model)", title="decode")
+        ax.set(xscale="log", xlabel="batch", ylabel="tokens/s (scaled to full model)", title="decode, random traffic")
     ax.legend(fontsize=7)
+    for a, ((t, b), rows) in zip(axes[0][1:], groups.items()):
+        _plot_traffic(a, rows, SPEEDUP_TARGET if b == 8 else None)
+        a.set_title(f"decode T={t} B={b} by traffic")
     return save_png(plt, fig, json_path)
 
 

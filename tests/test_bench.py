@@ -1,6 +1,8 @@
 """Benchmarks run end to end at toy sizes (their real runs are on the GPU)."""
 
+import json
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -302,6 +304,27 @@ def test_trace_summary_of_a_known_trace():
     assert {(g["after"], g["before"]) for g in m["largest_gaps"]} == {("copy", "b"), ("b", "(end)")}
     assert s["host_top"][0] == {"name": "host work", "s_per_step": pytest.approx(999e-6, rel=1e-9), "calls_per_step": 1}
     assert s["host_api"] == [{"name": "cuLaunchKernel", "s_per_step": pytest.approx(10e-6, rel=1e-9), "calls_per_step": 2}]
+
+
+def test_decode_plot_by_traffic_where_a_mode_ran_several_miss_rates(tmp_path):
+    """The plot gets a panel by miss rate for each (context, batch) some mode ran at several miss
+    rates, and none for one run only at random traffic; failed rows do not count."""
+    from sparda_jax.bench.decode import plot, traffic_groups
+
+    def row(mode, t, b, variant, miss, ms, status="ok"):
+        return dict(mode=mode, system=mode, T=t, batch=b, variant=variant, miss_rate=miss, status=status,
+                    step_seconds_scaled=ms / 1e3, floor_seconds=ms / 2e3, tokens_per_s=b * 1e3 / ms)
+
+    rows = [row("sparse", 1024, 8, "random", 0.6, 27.0), row("sparda", 1024, 8, "random", 0.6, 20.0),
+            row("sparse", 1024, 8, "reuse=0.62", 0.23, 15.6), row("sparda", 1024, 8, "reuse=0.62", 0.23, 9.0),
+            row("sparda", 1024, 16, "random", 0.6, 30.0),  # one miss rate: no panel
+            row("sparda", 2048, 8, "random", 0.6, 30.0), row("sparda", 2048, 8, "reuse=0.5", 0.3, 20.0, "infeasible")]
+    g = traffic_groups(rows)
+    assert list(g) == [(1024, 8)] and len(g[(1024, 8)]) == 4
+    path = tmp_path / "decode_x.json"
+    path.write_text(json.dumps({"name": "decode", "rows": rows}))
+    png = plot(path)
+    assert png is None or pathlib.Path(png).stat().st_size > 0  # None: no matplotlib
 
 
 def test_select_bench_decode_only_with_the_topk_kernel_variant(tmp_path):

@@ -91,11 +91,12 @@ def test_topk_impl_reaches_every_layers_selection(setup, mode, monkeypatch):
     assert calls and all(impl == "rows" for _, impl in calls)
     assert (c1, s1) == (c0, s0) and c0 > 0
     np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
-    # the top-k by counting (XLA, no sort): the same blocks, so the same copies; logits within the
-    # CUDA copy test's 2e-5 (the programs fuse differently around the swapped top-k)
-    got, c2, s2 = _run(setup, mode, steps=20, topk_impl="xla_count")
-    assert (c2, s2) == (c0, s0)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
+    if mode == "sparda":  # both selectors end in the same finalize_topk: one mode shows the plumbing
+        # the top-k by counting (XLA, no sort): the same blocks, so the same copies; logits within
+        # the CUDA copy test's 2e-5 (the programs fuse differently around the swapped top-k)
+        got, c2, s2 = _run(setup, mode, steps=20, topk_impl="xla_count")
+        assert (c2, s2) == (c0, s0)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=2e-5)
     with pytest.raises(ValueError, match="topk_impl must be one of"):
         _run(setup, mode, steps=13, topk_impl="sort")
 

@@ -330,6 +330,13 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
     generate-loop32)  # the same at full depth (32 layers), SparDA alone, 3 calls of 8 (~300 s)
       timeout 420 python3 scripts/probes/generate_loop.py --layers 32 --context 32768 --batch 4 --systems sparda \
         --new-tokens 25 --out "$OUT/generate_loop32.json" 2>&1 | grep -E "^\||\[generate\]|Error" ;;
+    write-token-ab)  # the new token's cache write with its slot computed once (scripts/probes/write_token_ab.py):
+                     # SparDA, 16 layers, batch 8, 128K, doorbell, 8 steps a call, as is then with the barrier (~200 s)
+      for V in as-is barrier; do
+        timeout 150 python3 scripts/probes/write_token_ab.py --variant $V -- --lengths 131072 --batches 8 --layers 16 \
+          --repeats 12 --modes sparda --reuse-fractions 0.88 --copy-start doorbell --steps-per-call 8 --budget-s 120 \
+          --out "$OUT/decode_write_token_$V.json" 2>&1 | grep -E "^\| SparDA|Error" | sed "s/^/$V /"
+      done ;;
     loop-ab)  # SparDA alone at full depth (doorbell, random and SmolLM2's miss rates), one step a call against 8 in one
               # program, in one call, each with XLA's command-buffer log (~300 s)
       for K in 1 8; do

@@ -98,8 +98,8 @@ def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,
     """Block scores [B, K, tq, N_b] -> ids [B, K, tq, topk] (forced, causal, sorted, -1 padded).
 
     topk_implementation: "xla" (lax.top_k, then a sort of the ids: XLA sorts whole rows for
-    k > 16), "xla_count" (`topk_by_count`: no sort, N_b^2 comparisons a row; for decode, where
-    a few rows leave a sort's kernel latency-bound) or "mosaic_gpu" / "mosaic_gpu_interpret"
+    k > 16), "xla_count" (`topk_by_count`: no sort, N_b^2 comparisons a row; tried for decode,
+    slower on the H200) or "mosaic_gpu" / "mosaic_gpu_interpret"
     (the sort-free Mosaic top-k of kernels/forecast_select.py, `select_topk(implementation="rows")`,
     on the masked scores; <= 2048 blocks). All give the same ids."""
     if topk_implementation not in TOPK_IMPLEMENTATIONS:
@@ -139,8 +139,10 @@ def topk_by_count(s: jax.Array, topk: int) -> jax.Array:
     of elements ahead of it (larger, or equal at a lower id), the chosen are those ranked below
     topk, and an id's place in the output is the number of chosen ids below it. Three fused
     comparisons and sums of N^2 (rank, place) and topk x N (output) elements a row, each one
-    parallel XLA reduction: at decode (16 rows of 2048 blocks at batch 8) the sort-based top-k was
-    one CTA a row (21.6 us, bench/results/layer_breakdown_2e96975.json). Scores must not be NaN."""
+    parallel XLA reduction, meant to beat the sort-based top-k at decode (one CTA a row: 21.6 us
+    for 16 rows of 2048 blocks, bench/results/layer_breakdown_2e96975.json). It did not: 1.3-1.6x
+    slower in the decode selectors at 128K (bench/results/select_decode_count.json), so it is a
+    tested option, not a default. Scores must not be NaN."""
     n = s.shape[-1]
     lead = (1,) * (s.ndim - 1)
     i = jnp.arange(n)

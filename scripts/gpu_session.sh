@@ -327,6 +327,13 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
                     # traffic, the peak's miss rate (reuse 0.62, ~0.23) and SmolLM2's (~420 s)
       logged_decode claims32_pool 560 "$CLAIMS_ROWS" "${FULL32[@]}" --modes sparse sparda --reuse-fractions 0.62 \
         --real-miss-rate sparse=0.122 sparda=0.086 --copy-start doorbell --steps-per-call 8 --budget-s 500 ;;
+    claims32-split)  # what the batch-8 ratio is made of, in one call: Sparse+ (resident, no copy at all), Sparse,
+                     # SparDA without and with prefetch, full depth, 8 steps a call, random traffic and reuse 0.62.
+                     # The paper's SparDA beat its copy-free Sparse+ by 1.27 at batch 4 (240.2 against 189.5
+                     # tokens/s): its selector saving, which the overlap multiplies (~450 s)
+      logged_decode claims32_split 580 "^\| (Sparse|SparDA)|SparDA / Sparse" "${FULL32[@]}" \
+        --modes sparse sparda sparse_resident sparda_sync --reuse-fractions 0.62 --copy-start doorbell \
+        --steps-per-call 8 --budget-s 520 ;;
     generate-loop32)  # the same at full depth (32 layers), SparDA alone, 3 calls of 8 (~300 s)
       timeout 420 python3 scripts/probes/generate_loop.py --layers 32 --context 32768 --batch 4 --systems sparda \
         --new-tokens 25 --out "$OUT/generate_loop32.json" 2>&1 | grep -E "^\||\[generate\]|Error" ;;

@@ -60,7 +60,7 @@ from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
 from sparda_jax.kernels.copy_engine import DOORBELL_MARKS, doorbell_timeline, resolve_implementation, unaliased_copies
 
-__all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot"]
+__all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot", "decomposition"]
 
 MODES = ("dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda")
 LABELS = {"dense_resident": "Dense+", "sparse_resident": "Sparse+", "sparse": "Sparse", "infinigen": "InfiniGen",
@@ -72,6 +72,17 @@ LOGIT_BOUND = 5e-2
 SPEEDUP_TARGET = 1.7        # SparDA / Sparse tokens/s at batch 8, 128K (paper 1.69 on H100)
 PREFETCH_MIN_BATCH = 16     # SparDA > SparDA-no-prefetch from this batch on
 OVERLAP_TARGET = 1.1        # a step with prefetch / max(compute alone, copy alone) (the issue's bound)
+# The paper's decode tokens/s at 128K on the H100 (Table 4; Table 10 for SparDA-no-prefetch), so its
+# SparDA / Sparse splits into the same factors as ours (`decomposition`). Sparse+ is OOM past batch 4.
+PAPER_DECODE_128K = {4: {"sparse_resident": 189.5, "sparse": 167.8, "sparda_sync": 247.3, "sparda": 240.2},
+                     8: {"sparse": 279.5, "sparda": 471.2},
+                     16: {"sparse": 447.9, "sparda_sync": 505.9, "sparda": 705.3},
+                     64: {"sparse": 788.9, "sparda_sync": 696.9, "sparda": 1000.1}}
+# (factor, slower system, faster system): tokens/s of the second over the first. selector x prefetch
+# = total: the Forecast's selection against InfLLM-V2's with both copies synchronous, then the copy
+# one layer ahead; copy_free: SparDA against Sparse+, which keeps all KV on the GPU and copies none.
+FACTORS = (("selector", "sparse", "sparda_sync"), ("prefetch", "sparda_sync", "sparda"), ("total", "sparse", "sparda"),
+           ("copy_free", "sparse_resident", "sparda"))
 
 
 def _log_default(s):
@@ -607,6 +618,51 @@ def _claims(r):
     return out, best
 
 
+def _factors(tps: dict) -> dict:
+    return {name: tps[hi] / tps[lo] for name, lo, hi in FACTORS if tps.get(lo) and tps.get(hi)}
+
+
+def decomposition(r: dict) -> list[dict]:
+    """SparDA / Sparse on random traffic split into factors (`FACTORS`), per context and batch
+    where a factor beyond the total can be formed, beside the paper's at its two nearest batches
+    (`PAPER_DECODE_128K`, H100, 128K, its real traffic): which part of the speedup comes from the
+    cheaper selector and which from hiding the copy. `by_traffic`: the factors that the emulated
+    reuse rows give (Sparse+ copies nothing, so its one row pairs with every traffic). Only rows of
+    one run are divided."""
+    out = []
+    rows = r["rows"]
+    for t in sorted({x["T"] for x in rows}):
+        for b in sorted({x["batch"] for x in rows if x["T"] == t}):
+            ok = _ok(rows, T=t, batch=b)
+            resident = {x["mode"]: x["tokens_per_s"] for x in ok if x["mode"] in ("dense_resident", "sparse_resident")}
+            f = _factors({**resident, **{x["mode"]: x.get("tokens_per_s") for x in ok if x["variant"] == "random"}})
+            if not set(f) - {"total"}:
+                continue
+            by_traffic = []
+            for v in sorted({x["variant"] for x in ok if x["variant"] != "random" and x.get("miss_rate") is not None}):
+                tps = {**resident, **{x["mode"]: x.get("tokens_per_s") for x in ok if x["variant"] == v}}
+                g = _factors(tps)
+                if g:
+                    by_traffic.append({"variant": v, "miss_rate": {x["mode"]: x["miss_rate"] for x in ok
+                                                                   if x["variant"] == v}, "factors": g})
+            near = sorted(PAPER_DECODE_128K, key=lambda pb: (abs(pb - b), pb))[:2]
+            out.append({"T": t, "batch": b, "factors": f, "by_traffic": by_traffic,
+                        "paper_h100_128k": {str(pb): _factors(PAPER_DECODE_128K[pb]) for pb in sorted(near)}})
+    return out
+
+
+def decomposition_lines(r: dict) -> list[str]:
+    fmt = lambda f: ", ".join(f"{k} {v:.2f}" for k, v in f.items())
+    lines = []
+    for d in r.get("decomposition") or decomposition(r):
+        lines.append(f"split T={d['T']} B={d['batch']} (tokens/s ratios), random traffic: {fmt(d['factors'])}"
+                     + "".join(f"; {x['variant']} (miss {max(x['miss_rate'].values()):.3f}): {fmt(x['factors'])}"
+                               for x in d["by_traffic"])
+                     + " | paper (H100, its traffic) " + "; ".join(f"B={pb}: {fmt(f)}"
+                                                                   for pb, f in d["paper_h100_128k"].items()))
+    return lines
+
+
 def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4, 8, 16, 32), modes=MODES,
                  layers: int | None = 4, steps: int = 6, warmup: int = 2, reuse_fractions=(0.5,),
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
@@ -748,6 +804,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                         rec["target_miss_rate"] = target
                         rec["variant"] += f" (real-model target {target:.3f})"
     r["claims"], r["best_feasible"] = _claims(r)
+    r["decomposition"] = decomposition(r)
     r["complete"] = True
     snapshot()
     return r
@@ -961,6 +1018,7 @@ def table(r: dict) -> str:
     for x in rows:
         lines.append(_fmt_row({**x, "system": LABELS.get(x["mode"], x["mode"])}, cols))
     lines += claim_lines(r)
+    lines += decomposition_lines(r)
     lines += [_overlap_line(x) for x in rows if "overlap" in x]
     lines += [_timeline_line(x) for x in rows if "doorbell_timeline" in x]
     lines += [_marginal_line(x) for x in rows if "per_layer_seconds" in x.get("marginal", {})]

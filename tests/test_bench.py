@@ -306,6 +306,37 @@ def test_trace_summary_of_a_known_trace():
     assert s["host_api"] == [{"name": "cuLaunchKernel", "s_per_step": pytest.approx(10e-6, rel=1e-9), "calls_per_step": 2}]
 
 
+def test_decode_decomposition_splits_the_speedup_like_the_papers_tables():
+    from sparda_jax.bench.decode import decomposition, decomposition_lines
+
+    rng = np.random.default_rng(7)
+    tps = dict(zip(("sparse_resident", "sparse", "sparda_sync", "sparda"), rng.uniform(100, 1000, 4)))
+
+    def row(m, variant="random", t=None, status="ok"):
+        return {"mode": m, "T": 131072, "batch": 8, "status": status, "variant": variant,
+                "tokens_per_s": tps[m] if t is None else t, "miss_rate": None if m == "sparse_resident" else 0.6}
+
+    rows = [row(m) for m in tps] + [row("sparse", "reuse=0.62", 300.0), row("sparda", "reuse=0.62", 510.0),
+                                    row("sparda_sync", "random", 1e6, status="out of memory")]
+    (d,) = decomposition({"rows": rows})
+    f = d["factors"]
+    assert f["total"] == pytest.approx(tps["sparda"] / tps["sparse"])
+    assert f["selector"] * f["prefetch"] == pytest.approx(f["total"])  # the failed row is not divided
+    assert f["copy_free"] == pytest.approx(tps["sparda"] / tps["sparse_resident"])
+    (bt,) = d["by_traffic"]  # Sparse+ copies nothing: its row pairs with the reuse rows too
+    assert bt["factors"] == {"total": pytest.approx(1.7), "copy_free": pytest.approx(510.0 / tps["sparse_resident"])}
+    # the paper's own split (SPEC.md section 7): 1.69 at batch 8; at batch 4 its SparDA beats the
+    # copy-free Sparse+ (240.2 against 189.5), its selector alone giving 247.3 / 167.8
+    assert set(d["paper_h100_128k"]) == {"4", "8"}
+    assert d["paper_h100_128k"]["8"] == {"total": pytest.approx(1.69, abs=5e-3)}
+    assert d["paper_h100_128k"]["4"]["copy_free"] == pytest.approx(1.27, abs=5e-3)
+    assert d["paper_h100_128k"]["4"]["selector"] == pytest.approx(1.47, abs=5e-3)
+    (line,) = decomposition_lines({"rows": rows})
+    assert f"selector {f['selector']:.2f}" in line and "reuse=0.62 (miss 0.600): total 1.70" in line
+    # with only Sparse and SparDA there is nothing to split beyond the claim's ratio
+    assert decomposition({"rows": [row("sparse"), row("sparda")]}) == []
+
+
 def test_decode_plot_by_traffic_where_a_mode_ran_several_miss_rates(tmp_path):
     """The plot gets a panel by miss rate for each (context, batch) some mode ran at several miss
     rates, and none for one run only at random traffic; failed rows do not count."""

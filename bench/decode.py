@@ -1061,13 +1061,16 @@ def traffic_groups(rows) -> dict:
             if any(len({round(x["miss_rate"], 3) for x in v if x["mode"] == m}) > 1 for m in MODES)}
 
 
+COLORS = {m: f"C{i}" for i, m in enumerate(MODES)}  # one color per system in every panel
+
+
 def _plot_traffic(ax, rows, target):
     """Step ms vs block miss rate per system, SparDA's floor (HBM or PCIe) beside; SparDA / Sparse
     (rows paired by variant) on a second axis, with the target where there is one."""
     for m in MODES:
         pts = sorted((x["miss_rate"], x["step_seconds_scaled"] * 1e3) for x in rows if x["mode"] == m)
         if pts:
-            ax.plot(*zip(*pts), "o-", label=LABELS[m])
+            ax.plot(*zip(*pts), "o-", color=COLORS[m], label=LABELS[m])
     floor = sorted((x["miss_rate"], x["floor_seconds"] * 1e3) for x in rows if x["mode"] == "sparda"
                    and x.get("floor_seconds"))
     if floor:
@@ -1089,17 +1092,37 @@ def _plot_traffic(ax, rows, target):
     ax.legend(handles=handles, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3)
 
 
+def _plot_split(ax, d):
+    """Bars of one `decomposition` entry's factors: this run's (random traffic, then each reuse
+    row's) beside the paper's."""
+    names = [n for n, _, _ in FACTORS]
+    series = ([("here, random traffic", d["factors"])]
+              + [(f"here, miss {max(x['miss_rate'].values()):.2f}", x["factors"]) for x in d["by_traffic"]]
+              + [(f"paper (H100) B={pb}", f) for pb, f in d["paper_h100_128k"].items()])
+    w = 0.8 / len(series)
+    for i, (label, f) in enumerate(series):
+        at = [j for j, n in enumerate(names) if n in f]
+        ax.bar([j + (i - (len(series) - 1) / 2) * w for j in at], [f[names[j]] for j in at], width=w, label=label)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xticks(range(len(names)), ["selector\n(no-prefetch / Sparse)", "prefetch\n(SparDA / no-prefetch)",
+                                      "total\n(SparDA / Sparse)", "copy-free\n(SparDA / Sparse+)"], fontsize=7)
+    ax.set(ylabel="tokens/s ratio", title=f"SparDA / Sparse, split: T={d['T']} B={d['batch']}")
+    ax.legend(fontsize=7)
+
+
 def plot(json_path) -> str | None:
     """decode.png (tokens/s vs batch per system on random traffic; beside it, for each context and
-    batch timed at several miss rates, the step and SparDA / Sparse by miss rate) or cta.png
+    batch timed at several miss rates, the step and SparDA / Sparse by miss rate, and for each
+    `decomposition` entry its factors beside the paper's) or cta.png
     from the JSON; None without matplotlib."""
     plt, r = pyplot_and_result(json_path)
     if plt is None:
         return None
     ok = [x for x in r["rows"] if x.get("status") == "ok"]
     groups = traffic_groups(ok) if r["name"] != "cta" else {}
-    fig, axes = plt.subplots(1, 1 + len(groups), figsize=(6 * (1 + len(groups)), 4.6 if groups else 4),
-                             squeeze=False)
+    split = decomposition(r) if r["name"] != "cta" else []
+    n = 1 + len(groups) + len(split)
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4.6 if n > 1 else 4), squeeze=False)
     ax = axes[0][0]
     if r["name"] == "cta":
         for b in sorted({x["batch"] for x in ok}):
@@ -1107,17 +1130,19 @@ def plot(json_path) -> str | None:
             ax.plot(*zip(*pts), "o-", label=f"B={b}")
         ax.set(xscale="log", xlabel="copy CTAs", ylabel="tokens/s", title="decode vs CTA quota")
     else:
-        for t in sorted({x["T"] for x in ok}):
+        for t, ls in zip(sorted({x["T"] for x in ok}), ("-", "--", ":", "-.") * 4):
             for m in MODES:
                 pts = sorted((x["batch"], x["tokens_per_s"]) for x in ok
                              if x["T"] == t and x["mode"] == m and x.get("variant") == "random")
                 if pts:
-                    ax.plot(*zip(*pts), "o-", label=f"{LABELS[m]} T={t}")
+                    ax.plot(*zip(*pts), "o", ls=ls, color=COLORS[m], label=f"{LABELS[m]} T={t}")
         ax.set(xscale="log", xlabel="batch", ylabel="tokens/s (scaled to full model)", title="decode, random traffic")
     ax.legend(fontsize=7)
     for a, ((t, b), rows) in zip(axes[0][1:], groups.items()):
         _plot_traffic(a, rows, SPEEDUP_TARGET if b == 8 else None)
         a.set_title(f"decode T={t} B={b} by traffic")
+    for a, d in zip(axes[0][1 + len(groups):], split):
+        _plot_split(a, d)
     return save_png(plt, fig, json_path)
 
 

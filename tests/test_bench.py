@@ -306,8 +306,8 @@ def test_trace_summary_of_a_known_trace():
     assert s["host_api"] == [{"name": "cuLaunchKernel", "s_per_step": pytest.approx(10e-6, rel=1e-9), "calls_per_step": 2}]
 
 
-def test_decode_decomposition_splits_the_speedup_like_the_papers_tables():
-    from sparda_jax.bench.decode import decomposition, decomposition_lines
+def test_decode_decomposition_splits_the_speedup_like_the_papers_tables(tmp_path):
+    from sparda_jax.bench.decode import decomposition, decomposition_lines, plot
 
     rng = np.random.default_rng(7)
     tps = dict(zip(("sparse_resident", "sparse", "sparda_sync", "sparda"), rng.uniform(100, 1000, 4)))
@@ -335,6 +335,12 @@ def test_decode_decomposition_splits_the_speedup_like_the_papers_tables():
     assert f"selector {f['selector']:.2f}" in line and "reuse=0.62 (miss 0.600): total 1.70" in line
     # with only Sparse and SparDA there is nothing to split beyond the claim's ratio
     assert decomposition({"rows": [row("sparse"), row("sparda")]}) == []
+    for x in rows:
+        x.update(step_seconds_scaled=8 / x["tokens_per_s"], floor_seconds=1e-3)
+    path = tmp_path / "decode_split.json"
+    path.write_text(json.dumps({"name": "decode", "rows": rows}))
+    png = plot(path)  # a panel by traffic and one for the split
+    assert png is None or pathlib.Path(png).stat().st_size > 0  # None: no matplotlib
 
 
 def test_decode_plot_by_traffic_where_a_mode_ran_several_miss_rates(tmp_path):

@@ -78,9 +78,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     one compiled prefill and decode step. steps_per_call (engine systems): decode that many
     tokens in one device program (`infer.engine.engine_generate_steps`, sampling on the device),
     then stream them: the same tokens and counters, without a host round trip and a re-recording
-    of XLA's graphs at every step (decisions.md, "The fix: n steps in one program"). That pays
-    where the re-recording is long (the 8B model at full depth); at 8 layers on the H200 calls
-    of 8 were slower (bench/results/generate_loop_8layers.json), so 1 is the default."""
+    of XLA's graphs at every step (decisions.md, "The fix: n steps in one program"). On the H200
+    it gained 1.01x at full depth, where the copy bounded the step (bench/results/generate_loop32.json), and
+    calls of 8 were slower at 8 layers (..._8layers.json), so 1 is the default."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if steps_per_call < 1 or (steps_per_call > 1 and system is None):

@@ -634,14 +634,14 @@ def decomposition(r: dict) -> list[dict]:
     for t in sorted({x["T"] for x in rows}):
         for b in sorted({x["batch"] for x in rows if x["T"] == t}):
             ok = _ok(rows, T=t, batch=b)
-            resident = {x["mode"]: x["tokens_per_s"] for x in ok if x["mode"] in ("dense_resident", "sparse_resident")}
-            f = _factors({**resident, **{x["mode"]: x.get("tokens_per_s") for x in ok if x["variant"] == "random"}})
+            resident = {x["mode"]: x["tokens_per_s"] for x in ok if x["mode"] == "sparse_resident"}
+            at = lambda v: {**resident, **{x["mode"]: x["tokens_per_s"] for x in ok if x["variant"] == v}}
+            f = _factors(at("random"))
             if not set(f) - {"total"}:
                 continue
             by_traffic = []
             for v in sorted({x["variant"] for x in ok if x["variant"] != "random" and x.get("miss_rate") is not None}):
-                tps = {**resident, **{x["mode"]: x.get("tokens_per_s") for x in ok if x["variant"] == v}}
-                g = _factors(tps)
+                g = _factors(at(v))
                 if g:
                     by_traffic.append({"variant": v, "miss_rate": {x["mode"]: x["miss_rate"] for x in ok
                                                                    if x["variant"] == v}, "factors": g})

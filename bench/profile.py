@@ -240,13 +240,8 @@ def _kind(name: str) -> str:
     return next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "elementwise")
 
 
-def layer_breakdown(trace: dict, marker: str = "doorbell_wait_kernel") -> dict:
-    """Where a decode layer's time goes on XLA's stream, from a device trace (`profile_calls`):
-    the layers are the spans between the ends of consecutive `marker` kernels (the doorbell's
-    waits: one per offloaded layer) on the stream with the most kernels. Per span: kernel time by
-    kind (`KERNEL_KINDS`, the markers themselves excluded), kernels, and the gaps (span minus kernel
-    time: launch latency between a graph's kernels). Medians over the spans, in us; the medians
-    of the kinds need not sum to the median span."""
+def _main_stream(trace: dict) -> list[dict]:
+    """The kernels of the device stream with the most of them (XLA's), in time order."""
     ev = trace.get("traceEvents", [])
     pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
     tname = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
@@ -258,7 +253,37 @@ def layer_breakdown(trace: dict, marker: str = "doorbell_wait_kernel") -> dict:
     streams = defaultdict(list)
     for e in ks:
         streams[(e["pid"], e.get("tid"))].append(e)
-    main = sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
+    return sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
+
+
+def after_copy(trace: dict, kind: str = "scatter") -> dict:
+    """Median us of the `kind` kernels on XLA's stream by where they run: first after a copy
+    engine kernel (its synchronous copy, or the doorbell's wait), second in a run of them that
+    began there, or elsewhere. The same scatter shapes run 2-4x longer right after a copy."""
+    main = _main_stream(trace)
+    groups = {"first": [], "second": [], "elsewhere": []}
+    for i, e in enumerate(main):
+        if _kind(e["name"]) != kind:
+            continue
+        prev = [_kind(x["name"]) for x in main[max(i - 2, 0):i]]
+        if prev[-1:] == ["copy engine"]:
+            groups["first"].append(e["dur"])
+        elif prev == ["copy engine", kind]:
+            groups["second"].append(e["dur"])
+        else:
+            groups["elsewhere"].append(e["dur"])
+    med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None
+    return {k: {"kernels": len(v), "median_us": med(v)} for k, v in groups.items()}
+
+
+def layer_breakdown(trace: dict, marker: str = "doorbell_wait_kernel") -> dict:
+    """Where a decode layer's time goes on XLA's stream, from a device trace (`profile_calls`):
+    the layers are the spans between the ends of consecutive `marker` kernels (the doorbell's
+    waits: one per offloaded layer) on the stream with the most kernels. Per span: kernel time by
+    kind (`KERNEL_KINDS`, the markers themselves excluded), kernels, and the gaps (span minus kernel
+    time: launch latency between a graph's kernels). Medians over the spans, in us; the medians
+    of the kinds need not sum to the median span."""
+    main = _main_stream(trace)
     ends = [i for i, e in enumerate(main) if marker in e["name"]]
     if len(ends) < 2:
         raise ValueError(f"fewer than two {marker!r} kernels on the main stream: no layer span")

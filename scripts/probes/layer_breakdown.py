@@ -14,7 +14,7 @@ import json
 import re
 import sys
 
-from sparda_jax.bench.profile import KERNEL_KINDS, layer_breakdown
+from sparda_jax.bench.profile import KERNEL_KINDS, after_copy, layer_breakdown
 
 
 def main(argv=None) -> int:
@@ -24,11 +24,13 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     a = p.parse_args(argv)
     with gzip.open(a.trace) as f:
-        r = layer_breakdown(json.load(f), a.marker)
+        trace = json.load(f)
+    r = layer_breakdown(trace, a.marker)
+    r["scatters_after_copy"] = after_copy(trace, "scatter")
     m = re.search(r"_([0-9a-f]{7,40})\.trace\.json\.gz$", a.trace)
     r.update(trace=a.trace, trace_commit=m.group(1) if m else None, kinds={k: list(v) for k, v in KERNEL_KINDS},
              command=" ".join(["scripts/probes/layer_breakdown.py"] + sys.argv[1:]))
-    print(json.dumps(r["median_us"]))
+    print(json.dumps(r["median_us"]), json.dumps(r["scatters_after_copy"]))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(r, f, indent=1)

@@ -334,6 +334,11 @@ sys.exit(main(sys.argv[1:]))" bench decode $R --out "$OUT/decode_queues_shell_no
       logged_decode claims32_split 580 "^\| (Sparse|SparDA)|SparDA / Sparse" "${FULL32[@]}" \
         --modes sparse sparda sparse_resident sparda_sync --reuse-fractions 0.62 --copy-start doorbell \
         --steps-per-call 8 --budget-s 520 ;;
+    claims32-split4)  # the same four systems at batch 4, the paper's batch with all four in its tables (Table 10:
+                      # selector 1.47, prefetch 0.97, SparDA / Sparse+ 1.27), random traffic only (~330 s)
+      logged_decode claims32_split4 560 "^\| (Sparse|SparDA)|^split" --lengths 131072 --batches 4 --layers 32 --repeats 12 \
+        --modes sparse sparda sparse_resident sparda_sync --reuse-fractions --copy-start doorbell \
+        --steps-per-call 8 --budget-s 480 ;;
     generate-loop32)  # the same at full depth (32 layers), SparDA alone, 3 calls of 8 (~300 s)
       timeout 420 python3 scripts/probes/generate_loop.py --layers 32 --context 32768 --batch 4 --systems sparda \
         --new-tokens 25 --out "$OUT/generate_loop32.json" 2>&1 | grep -E "^\||\[generate\]|Error" ;;

@@ -618,6 +618,12 @@ def _claims(r):
     return out, best
 
 
+def _traffic(x) -> str:
+    """A row's traffic without its note: "random", "reuse=0.62", ... (the real-model rows' variants
+    name their mode's target, so Sparse's and SparDA's pair by this)."""
+    return x["variant"].split(" ")[0]
+
+
 def _factors(tps: dict) -> dict:
     return {name: tps[hi] / tps[lo] for name, lo, hi in FACTORS if tps.get(lo) and tps.get(hi)}
 
@@ -635,16 +641,16 @@ def decomposition(r: dict) -> list[dict]:
         for b in sorted({x["batch"] for x in rows if x["T"] == t}):
             ok = _ok(rows, T=t, batch=b)
             resident = {x["mode"]: x["tokens_per_s"] for x in ok if x["mode"] == "sparse_resident"}
-            at = lambda v: {**resident, **{x["mode"]: x["tokens_per_s"] for x in ok if x["variant"] == v}}
+            at = lambda v: {**resident, **{x["mode"]: x["tokens_per_s"] for x in ok if _traffic(x) == v}}
             f = _factors(at("random"))
             if not set(f) - {"total"}:
                 continue
             by_traffic = []
-            for v in sorted({x["variant"] for x in ok if x["variant"] != "random" and x.get("miss_rate") is not None}):
+            for v in sorted({_traffic(x) for x in ok if _traffic(x) != "random" and x.get("miss_rate") is not None}):
                 g = _factors(at(v))
                 if g:
                     by_traffic.append({"variant": v, "miss_rate": {x["mode"]: x["miss_rate"] for x in ok
-                                                                   if x["variant"] == v}, "factors": g})
+                                                                   if _traffic(x) == v}, "factors": g})
             near = sorted(PAPER_DECODE_128K, key=lambda pb: (abs(pb - b), pb))[:2]
             out.append({"T": t, "batch": b, "factors": f, "by_traffic": by_traffic,
                         "paper_h100_128k": {str(pb): _factors(PAPER_DECODE_128K[pb]) for pb in sorted(near)}})
@@ -1076,10 +1082,9 @@ def _plot_traffic(ax, rows, target):
     if floor:
         ax.plot(*zip(*floor), "x", color="gray", label="SparDA's floor (HBM or PCIe), its rows")
     ax.set(xlabel="block miss rate", ylabel="ms a step (scaled to full model)")
-    kind = lambda x: x["variant"].split(" ")[0]  # "random", "reuse=0.62", ...
-    sparse = {kind(x): x for x in rows if x["mode"] == "sparse"}
-    pairs = sorted((x["miss_rate"], sparse[kind(x)]["step_seconds_scaled"] / x["step_seconds_scaled"])
-                   for x in rows if x["mode"] == "sparda" and kind(x) in sparse)
+    sparse = {_traffic(x): x for x in rows if x["mode"] == "sparse"}
+    pairs = sorted((x["miss_rate"], sparse[_traffic(x)]["step_seconds_scaled"] / x["step_seconds_scaled"])
+                   for x in rows if x["mode"] == "sparda" and _traffic(x) in sparse)
     handles = ax.get_legend_handles_labels()[0]
     if pairs:
         ax2 = ax.twinx()

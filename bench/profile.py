@@ -240,6 +240,10 @@ def _kind(name: str) -> str:
     return next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "elementwise")
 
 
+def _upper_median(xs) -> float:
+    return float(sorted(xs)[len(xs) // 2])
+
+
 def _main_stream(trace: dict) -> list[dict]:
     """The kernels of the device stream with the most of them (XLA's), in time order."""
     ev = trace.get("traceEvents", [])
@@ -273,8 +277,7 @@ def after_copy(trace: dict, kind: str = "scatter") -> dict:
             groups["second"].append(e["dur"])
         else:
             groups["elsewhere"].append(e["dur"])
-    med = lambda xs: float(sorted(xs)[len(xs) // 2]) if xs else None
-    return {k: {"kernels": len(v), "median_us": med(v)} for k, v in groups.items()}
+    return {k: {"kernels": len(v), "median_us": _upper_median(v) if v else None} for k, v in groups.items()}
 
 
 def layer_breakdown(trace: dict, marker: str = "doorbell_wait_kernel") -> dict:
@@ -297,6 +300,6 @@ def layer_breakdown(trace: dict, marker: str = "doorbell_wait_kernel") -> dict:
         for e in main[a + 1:b]:
             kinds[_kind(e["name"])] += e["dur"]
         spans.append({"span": t1 - t0, "kernels": b - a - 1, "gaps": t1 - t0 - sum(kinds.values()), **kinds})
-    med = lambda k: float(sorted(x.get(k, 0.0) for x in spans)[len(spans) // 2])
+    med = lambda k: _upper_median([x.get(k, 0.0) for x in spans])
     names = ["span", "kernels", "gaps"] + [k for k, _ in KERNEL_KINDS] + ["elementwise"]
     return {"layers": len(spans), "marker": marker, "median_us": {k: round(med(k), 2) for k in names}}

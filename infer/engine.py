@@ -313,12 +313,18 @@ def _wait_blocks(plan, cache: dict, src, dst, after, job: int | None = None) -> 
     return {n: gather_blocks_wait(c, src, dst, after, implementation=plan.copy_impl) for n, c in cache.items()}
 
 
-def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
-    """Write the new token's payloads (each [B, K, X] at positions pos [B]) into the slot of
-    its block, which the selection always holds (the own block is forced)."""
-    b, kh = ids.shape[:2]
+def _own_slot(slots, ids, pos, bs: int):
+    """[B, K]: the slot of the block that position pos [B] falls in, which the selection always
+    holds (the own block is forced)."""
     own = ids == (pos // bs)[:, None, None]  # [B, K, n]
-    slot = jnp.sum(jnp.where(own, slots, 0), axis=-1)  # [B, K]
+    return jnp.sum(jnp.where(own, slots, 0), axis=-1)
+
+
+def _write_token(cache_l: dict, slots, ids, pos, new: dict, bs: int, *, slot_of=_own_slot) -> dict:
+    """Write the new token's payloads (each [B, K, X] at positions pos [B]) into the slot of
+    its block (`slot_of`: scripts/probes/write_token_ab.py passes a variant)."""
+    b, kh = ids.shape[:2]
+    slot = slot_of(slots, ids, pos, bs)  # [B, K]
     bi = jnp.arange(b)[:, None]
     hi = jnp.arange(kh)[None, :]
     off = (pos % bs)[:, None]

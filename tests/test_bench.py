@@ -317,14 +317,19 @@ def test_decode_decomposition_splits_the_speedup_like_the_papers_tables(tmp_path
                 "tokens_per_s": tps[m] if t is None else t, "miss_rate": None if m == "sparse_resident" else 0.6}
 
     rows = [row(m) for m in tps] + [row("sparse", "reuse=0.62", 300.0), row("sparda", "reuse=0.62", 510.0),
-                                    row("sparda_sync", "random", 1e6, status="out of memory")]
+                                    row("sparda_sync", "random", 1e6, status="out of memory"),
+                                    # the real-model rows name each mode's own target: they pair all the same
+                                    row("sparse", "reuse=0.75 (real-model target 0.122)", 400.0),
+                                    row("sparda", "reuse=0.75 (real-model target 0.086)", 500.0)]
     (d,) = decomposition({"rows": rows})
     f = d["factors"]
     assert f["total"] == pytest.approx(tps["sparda"] / tps["sparse"])
     assert f["selector"] * f["prefetch"] == pytest.approx(f["total"])  # the failed row is not divided
     assert f["copy_free"] == pytest.approx(tps["sparda"] / tps["sparse_resident"])
-    (bt,) = d["by_traffic"]  # Sparse+ copies nothing: its row pairs with the reuse rows too
+    bt, bt75 = d["by_traffic"]  # Sparse+ copies nothing: its row pairs with the reuse rows too
+    assert bt["variant"] == "reuse=0.62" and bt75["variant"] == "reuse=0.75"
     assert bt["factors"] == {"total": pytest.approx(1.7), "copy_free": pytest.approx(510.0 / tps["sparse_resident"])}
+    assert bt75["factors"]["total"] == pytest.approx(1.25)
     # the paper's own split (SPEC.md section 7): 1.69 at batch 8; at batch 4 its SparDA beats the
     # copy-free Sparse+ (240.2 against 189.5), its selector alone giving 247.3 / 167.8
     assert set(d["paper_h100_128k"]) == {"4", "8"}

@@ -14,22 +14,17 @@ separate processes, in one device call (stage `write-token-ab`).
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
-import jax.numpy as jnp
 
 
-def _write_token_barrier(cache_l: dict, slots, ids, pos, new: dict, bs: int) -> dict:
-    """infer.engine._write_token with the slot materialized before the scatters."""
-    b, kh = ids.shape[:2]
-    own = ids == (pos // bs)[:, None, None]
-    slot = jax.lax.optimization_barrier(jnp.sum(jnp.where(own, slots, 0), axis=-1))
-    bi = jnp.arange(b)[:, None]
-    hi = jnp.arange(kh)[None, :]
-    off = (pos % bs)[:, None]
-    return {n: c.at[bi, hi, slot, off].set(new[n].astype(c.dtype), unique_indices=True, indices_are_sorted=True)
-            for n, c in cache_l.items()}
+def _slot_behind_barrier(slots, ids, pos, bs: int):
+    """infer.engine._own_slot, materialized before the scatters that use it."""
+    from sparda_jax.infer.engine import _own_slot
+
+    return jax.lax.optimization_barrier(_own_slot(slots, ids, pos, bs))
 
 
 def main() -> int:
@@ -40,7 +35,8 @@ def main() -> int:
     if a.variant == "barrier":
         from sparda_jax.infer import engine
 
-        engine._write_token = _write_token_barrier  # looked up when the step is traced
+        # looked up when the step is traced
+        engine._write_token = functools.partial(engine._write_token, slot_of=_slot_behind_barrier)
     from sparda_jax.cli import main as cli
 
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest

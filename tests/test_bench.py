@@ -331,7 +331,8 @@ def test_decode_decomposition_splits_the_speedup_like_the_papers_tables(tmp_path
     assert bt["factors"] == {"total": pytest.approx(1.7), "copy_free": pytest.approx(510.0 / tps["sparse_resident"])}
     assert bt75["factors"]["total"] == pytest.approx(1.25)
     # the paper's own split (SPEC.md section 7): 1.69 at batch 8; at batch 4 its SparDA beats the
-    # copy-free Sparse+ (240.2 against 189.5), its selector alone giving 247.3 / 167.8
+    # copy-free Sparse+ (240.2 against 189.5), its selector alone giving 247.3 / 167.8 (abs 5e-3: the
+    # ratios as SPEC.md rounds them, to two decimals)
     assert set(d["paper_h100_128k"]) == {"4", "8"}
     assert d["paper_h100_128k"]["8"] == {"total": pytest.approx(1.69, abs=5e-3)}
     assert d["paper_h100_128k"]["4"]["copy_free"] == pytest.approx(1.27, abs=5e-3)

@@ -20,6 +20,8 @@ __all__ = [
     "SparseConfig",
     "ForecastConfig",
     "ModelConfig",
+    "Implementations",
+    "IMPLEMENTATION_NAMES",
     "PRESETS",
     "get_preset",
     "preset_names",
@@ -40,6 +42,37 @@ def _positive(cls: str, **fields: int | float) -> None:
     for name, value in fields.items():
         if not value > 0:
             _fail(cls, name, f"must be > 0, got {value!r}")
+
+
+# The backends each op registers (`sparda_jax.ops.<op>.api`); "*_interpret" runs the same
+# Mosaic GPU kernel under Pallas' interpreter (CPU tests).
+IMPLEMENTATION_NAMES: dict[str, tuple[str, ...]] = {
+    "dense_attention": ("xla", "cudnn"),
+    "sparse_attention": ("xla", "mosaic_gpu", "mosaic_gpu_interpret"),
+    "select": ("xla", "mosaic_gpu", "mosaic_gpu_interpret"),
+    "kv_copy": ("xla", "host_ffi", "cuda"),
+}
+
+
+@dataclass(frozen=True)
+class Implementations:
+    """The backend of each op in a composite call (`forward`, `decode_step`, the engine).
+
+    None lets the op pick: its first registered backend that supports the inputs on this
+    platform, falling back to "xla" (the reference). A name forces that backend, and the
+    op raises if it cannot run the inputs.
+    """
+
+    dense_attention: str | None = None
+    sparse_attention: str | None = None
+    select: str | None = None
+    kv_copy: str | None = None
+
+    def __post_init__(self):
+        for name, allowed in IMPLEMENTATION_NAMES.items():
+            value = getattr(self, name)
+            if value is not None and value not in allowed:
+                _fail("Implementations", name, f"must be None or one of {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparda_jax.config import ModelConfig
+from sparda_jax.config import Implementations, ModelConfig
 from sparda_jax.modes import decode_step, prefill
 
 __all__ = ["SamplingConfig", "generate", "sample_next"]
@@ -61,30 +61,26 @@ def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: fl
 
 def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], sampling: SamplingConfig,
              *, stop_ids: Sequence[int] = (), dtype=jnp.float32, mode: str = "dense", forecast=None,
-             infinigen=None, system: str | None = None, reuse: bool = True, return_stats: bool = False,
-             on_step: Callable[[list[list[int]]], None] | None = None, pad_to: int | None = None,
-             steps_per_call: int = 1):
+             infinigen=None, engine=None, implementations: Implementations = Implementations(),
+             return_stats: bool = False, on_step: Callable[[list[list[int]]], None] | None = None,
+             pad_to: int | None = None, steps_per_call: int = 1):
     """Generate for a batch of token-id prompts; returns the new tokens of each (stop token
     excluded), and with return_stats a dict of engine counters.
 
-    mode: an attention mode of `sparda_jax.MODES`, all KV on the device. system: instead, one
-    of the engine's systems (`infer.engine.ENGINE_MODES`: dense_resident, sparse_resident,
-    sparse, infinigen, sparda_sync, sparda), where the offload systems keep the KV of layers
-    1..L-1 in host memory. Params may come stacked or per layer (`sparda_jax.layered_params`):
-    per layer, the engine's layer loop slices no weight, so XLA copies none, at the cost of
-    holding a second copy of the weights if the stacked tree is kept too.
-    `on_step(generated)` is called after every step. pad_to: pad the
-    prompts to at least this many tokens, so that batches of different prompt lengths share
-    one compiled prefill and decode step. steps_per_call (engine systems): decode that many
-    tokens in one device program (`infer.engine.engine_generate_steps`, sampling on the device),
-    then stream them: the same tokens and counters, without a host round trip and a re-recording
-    of XLA's graphs at every step (decisions.md, "The fix: n steps in one program"). On the H200
-    it gained 1.01x at full depth, where the copy bounded the step (bench/results/generate_loop32.json), and
-    calls of 8 were slower at 8 layers (..._8layers.json), so 1 is the default."""
+    mode: an attention mode of `sparda_jax.MODES`, all KV on the device, each op's backend from
+    `implementations`. engine: instead, an `infer.engine.EngineConfig` (its system, e.g. "sparda",
+    whose offload systems keep the KV of layers 1..L-1 in host memory). Params may come stacked or
+    per layer (`sparda_jax.layered_params`: the engine's layer loop then slices no weight).
+    `on_step(generated)` is called after every step. pad_to: pad the prompts to at least this
+    many tokens, so that batches of different prompt lengths share one compiled prefill and
+    decode step. steps_per_call (engine only): decode that many tokens in one device program
+    (`infer.engine.engine_generate_steps`, sampling on the device), then stream them: the same
+    tokens and counters, without a host round trip between steps."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if steps_per_call < 1 or (steps_per_call > 1 and system is None):
-        raise ValueError(f"steps_per_call must be 1, or > 1 with an engine system (system=...), got {steps_per_call}")
+    if steps_per_call < 1 or (steps_per_call > 1 and engine is None):
+        raise ValueError(f"steps_per_call must be 1, or > 1 with an engine (engine=EngineConfig(...)), "
+                         f"got {steps_per_call}")
     lengths = np.array([len(p) for p in prompts], np.int32)
     t_pad = -(-max(int(lengths.max()), pad_to or 0) // PAD_MULTIPLE) * PAD_MULTIPLE
     cache_size = t_pad + sampling.max_new_tokens
@@ -95,15 +91,19 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    if system is not None:
-        from .engine import engine_decode_step, engine_prefill
+    run = dict(forecast=forecast, infinigen=infinigen, dtype=dtype)
+    if engine is not None:
+        from .engine import EngineConfig, engine_decode_step, engine_prefill
 
-        run = dict(mode=system, forecast=forecast, infinigen=infinigen, dtype=dtype)
-        logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config,
+        if not isinstance(engine, EngineConfig):
+            raise TypeError(f"engine must be an EngineConfig, got {type(engine).__name__}")
+        logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
                                        cache_size=cache_size, **run)
-        step_fn = functools.partial(engine_decode_step, reuse=reuse, **run)
+
+        def step_fn(params, tok, pos, state, config):
+            return engine_decode_step(params, tok, pos, state, config, engine, **run)
     else:
-        run = dict(mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype)
+        run.update(mode=mode, implementations=implementations)
         logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size,
                                 **run)
 
@@ -121,7 +121,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     nxt = sample_next(logits, sub, sampling.temperature, sampling.top_p)
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
-                                  steps_per_call, on_step, return_stats, run, reuse)
+                                  steps_per_call, on_step, return_stats, run, engine)
     for step in range(sampling.max_new_tokens):
         ahead = None
         if step < sampling.max_new_tokens - 1:
@@ -158,7 +158,7 @@ def _record(tokens, out, done, stop) -> None:
 
 
 def _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling, per_call,
-                       on_step, return_stats, run, reuse):
+                       on_step, return_stats, run, engine):
     """`generate`'s decode loop with `per_call` steps a device program: a step counts (and its
     token is read) as in the one-step loop, only while some sequence still runs."""
     from .engine import engine_generate_steps
@@ -174,9 +174,8 @@ def _generate_in_calls(params, config, state, nxt, key, positions, out, done, st
             key, sub = jax.random.split(key)
             keys.append(sub)
         pos = positions[None] + np.arange(n, dtype=positions.dtype)[:, None]
-        drawn, state, st = engine_generate_steps(params, nxt, pos, jnp.stack(keys), state, config,
-                                                 temperature=sampling.temperature, top_p=sampling.top_p,
-                                                 reuse=reuse, **run)
+        drawn, state, st = engine_generate_steps(params, nxt, pos, jnp.stack(keys), state, config, engine,
+                                                 temperature=sampling.temperature, top_p=sampling.top_p, **run)
         positions, remaining = positions + n, remaining - n
         drawn, copied, selected = (np.asarray(x) for x in (drawn, st["copied_blocks"], st["selected_blocks"]))
         for i in range(n):

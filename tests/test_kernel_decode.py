@@ -251,5 +251,5 @@ def test_engine_attends_through_the_paged_kernel():
     cfg = get_preset("tiny").replace(num_layers=2, head_dim=64, sparse=sp)
     # 70 steps cross block boundaries: completed blocks go to the host
     run = dict(tok_len=400, lengths=[320, 301], cache_size=448, steps=70)
-    outs = {impl: sparda_bf16_decode(cfg, attention_impl=impl, **run) for impl in ("mosaic_gpu", "xla")}
+    outs = {impl: sparda_bf16_decode(cfg, sparse_attention=impl, **run) for impl in ("mosaic_gpu", "xla")}
     assert _rel(outs["mosaic_gpu"], outs["xla"]) < 2e-2  # bf16 model; the kernel rounds P to bf16

@@ -219,16 +219,17 @@ def test_layered_sparse_decode_copies_no_kv_buffer(tiny):
     the scan copies and slices K/V-sized buffers (what made Dense+ and Sparse+ decode slow)."""
     import re
 
-    from sparda_jax.modes import _decode, _Plan
+    from sparda_jax.modes import decode_program
+    from sparda_jax.pipeline import Plan
 
     params, _, _ = tiny
     tokens = jax.random.randint(jax.random.key(5), (2, 100), 0, TINY.vocab_size)
     _, stacked = prefill(params, tokens, jnp.array([100, 90]), TINY, cache_size=256, mode="sparse")
-    plan = _Plan(TINY, "sparse", False, jnp.dtype(jnp.float32), None, None, False, None)
+    plan = Plan(TINY, "sparse", False, jnp.dtype(jnp.float32))
     per_layer = int(np.prod(stacked.kv.k.shape[1:]))
 
     def big_moves(state):
-        txt = _decode.lower(params, tokens[:, :1], jnp.array([[100], [90]]), state, None, None,
+        txt = decode_program.lower(params, tokens[:, :1], jnp.array([[100], [90]]), state, None, None,
                             plan=plan).compile().as_text()
         found = []
         for m in re.finditer(r"=\s*\w+\[([\d,]*)\]\S*\s+(copy|dynamic-slice|dynamic-update-slice|concatenate)\(", txt):

@@ -39,11 +39,9 @@ text) when the model is installed.
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import sys
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -53,12 +51,12 @@ from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, buil
                                            make_extras, make_params, row_tokens, weights_bytes)
 from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
-from sparda_jax.infer.engine import (FFI_IMPLEMENTATIONS, OFFLOAD_MODES, RESIDENT_MODES, _after_start, _gather_blocks,
-                                     _serve_first, _wait_blocks, decode_plan, engine_decode_step, engine_decode_steps,
+from sparda_jax.config import Implementations
+from sparda_jax.infer.engine import (OFFLOAD_MODES, RESIDENT_MODES, EngineConfig, engine_decode_step, engine_decode_steps,
                                      selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
-from sparda_jax.kernels.copy_engine import DOORBELL_MARKS, doorbell_timeline, resolve_implementation, unaliased_copies
+from sparda_jax.kernels.copy_engine import unaliased_copies
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot", "decomposition"]
 
@@ -71,7 +69,6 @@ LABELS = {"dense_resident": "Dense+", "sparse_resident": "Sparse+", "sparse": "S
 LOGIT_BOUND = 5e-2
 SPEEDUP_TARGET = 1.7        # SparDA / Sparse tokens/s at batch 8, 128K (paper 1.69 on H100)
 PREFETCH_MIN_BATCH = 16     # SparDA > SparDA-no-prefetch from this batch on
-OVERLAP_TARGET = 1.1        # a step with prefetch / max(compute alone, copy alone) (the issue's bound)
 # The paper's decode tokens/s at 128K on the H100 (Table 4; Table 10 for SparDA-no-prefetch), so its
 # SparDA / Sparse splits into the same factors as ours (`decomposition`). Sparse+ is OOM past batch 4.
 PAPER_DECODE_128K = {4: {"sparse_resident": 189.5, "sparse": 167.8, "sparda_sync": 247.3, "sparda": 240.2},
@@ -110,18 +107,14 @@ def _h2d_gb_per_s(mib: int = 512, repeats: int = 5) -> float | None:
 class _Ctx:
     """What every configuration of one run shares: configs, weights, extras, references."""
 
-    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", copy_in_graph: bool = True,
-                 graph_scheduling: str | None = None, topk_impl: str = "xla", steps_per_call: int = 1):
+    def __init__(self, preset, layers, modes, seed, log, weights: str = "layered", steps_per_call: int = 1):
         self.cfg, self.full = bench_config(preset, layers)
         self.params = make_params(self.cfg, seed)  # stacked: the resident reference's scan reads these
         if weights not in ("layered", "stacked"):
             raise ValueError(f"weights must be 'layered' or 'stacked', got {weights!r}")
         # what the engine's steps read: per layer as `generate` gives them, or stacked (every step
-        # slices each layer's weights; the o_proj slice is copied: the layout before 2026-12-02)
+        # slices each layer's weights)
         self.step_params = layered_params(self.params) if weights == "layered" else self.params
-        self.copy_in_graph = copy_in_graph  # the engine's `copy_in_graph`, for every row of the run
-        self.graph_scheduling = graph_scheduling  # the engine's `graph_scheduling`, likewise
-        self.topk_impl = topk_impl  # the engine's `topk_impl`, likewise
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         # > 1: each call runs that many steps in one program (`engine_decode_steps`); every time and
@@ -180,19 +173,16 @@ def _row_inputs(ctx: _Ctx, context: int, batch: int, n_rep: int, n: int) -> list
             for i in range(0, n * k, k)]
 
 
-def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas, skip_copies: bool = False, copy_group: int = 1,
-             copy_start: str = "lanes"):
+def _stepper(ctx: _Ctx, mode: str, *, copy_impl, num_ctas):
     """step(tokens, positions, state) -> (logits, state, stats) of the row's mode and copy settings:
     one step, or with ctx.steps_per_call > 1 that many (`engine_decode_steps`: inputs, logits and
     stats with a leading step axis)."""
     kw = kwargs_for(ctx.extras, mode)
     run = engine_decode_step if ctx.steps_per_call == 1 else engine_decode_steps
+    engine = EngineConfig(mode, num_ctas=num_ctas, implementations=Implementations(kv_copy=copy_impl))
 
     def step(tok, pos, st):
-        return run(ctx.step_params, tok, pos, st, ctx.cfg, mode=mode, dtype=BF16, copy_impl=copy_impl,
-                   num_ctas=num_ctas, skip_copies=skip_copies, copy_group=copy_group, copy_start=copy_start,
-                   copy_in_graph=ctx.copy_in_graph, graph_scheduling=ctx.graph_scheduling, topk_impl=ctx.topk_impl,
-                   **kw)
+        return run(ctx.step_params, tok, pos, st, ctx.cfg, engine, dtype=BF16, **kw)
     return step
 
 
@@ -212,7 +202,7 @@ def _back_to_back(call, carry, lo: int, hi: int, host_period: list | None = None
     them: the host dispatches call i+1 while call i runs. Returns (seconds, carry, outs).
     host_period: appends the host's seconds per call until the last returned, before the wait.
     Close to the result, the calls were bound by the host, unless full launch queues held it
-    back (a doorbell step launches ~10 graphs and kernels: its queues do not fill)."""
+    back."""
     outs = []
     t0 = time.perf_counter()
     for i in range(lo, hi):
@@ -226,16 +216,14 @@ def _back_to_back(call, carry, lo: int, hi: int, host_period: list | None = None
 
 def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int, warmup: int,
                   reuse_fraction: float = 0.0, num_ctas: int | None = None, copy_impl: str | None = None,
-                  check: bool = True, profile_steps: int = 0, profile_dir=None, overlap: bool = False,
-                  copy_group: int = 1, copy_start: str = "lanes") -> dict:
-    """overlap: also time the row's steps without their data movement and the data movement
-    alone (`_overlap`), after the row (rec["overlap"])."""
+                  check: bool = True, profile_steps: int = 0, profile_dir=None) -> dict:
+    """One row: a (system, context, batch, traffic) configuration checked, then timed."""
     cfg, full = ctx.cfg, ctx.full
     n_rep = int(round(reuse_fraction * batch))
     per_call = ctx.steps_per_call
     rec = {"mode": mode, "system": LABELS.get(mode, mode), "T": context, "batch": batch,
            "variant": "random" if n_rep == 0 else f"reuse={n_rep / batch:.2f}",
-           "repeating_rows": n_rep, "num_ctas": num_ctas, "copy_group": copy_group, "copy_start": copy_start,
+           "repeating_rows": n_rep, "num_ctas": num_ctas,
            "layers_timed": cfg.num_layers, "steps_per_call": per_call}
     feas = feasibility(full, mode, batch=batch, context=context, weights=ctx.weights_full)
     rec["feasibility"] = {k: feas[k] for k in ("fits", "reason", "host_need_bytes", "device_need_bytes",
@@ -247,7 +235,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     t_build = time.perf_counter()
     state = _build(ctx, mode, context, batch, calls)
     rec["state_build_seconds"] = time.perf_counter() - t_build
-    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group, copy_start=copy_start)
+    step = _stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas)
     inputs = _row_inputs(ctx, context, batch, n_rep, calls)
 
     t0 = time.perf_counter()
@@ -277,8 +265,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     state = _back_to_back(advance, state, 1, 1 + warmup)[1]
     host_period = []
     pipelined, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps, host_period)
-    ts, host, timelines = [], [], []
-    with_timeline = _records_timeline(mode, copy_start, copy_impl)
+    ts, host = [], []
     unaliased_copies(copy_impl, reset=True)  # whole-buffer copies XLA's buffer choices cost the copy calls
     for i in range(1 + warmup + steps, 1 + warmup + 2 * steps):
         t0 = time.perf_counter()
@@ -286,8 +273,6 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         host.append(time.perf_counter() - t0)  # the call returns once every launch is enqueued
         jax.block_until_ready(out[:2])
         ts.append(time.perf_counter() - t0)
-        if with_timeline:  # read outside the timed span
-            timelines.append(doorbell_timeline(cfg.num_layers - 1, copy_impl))
         _, state, st = out
         got.append(st)
     unaliased = unaliased_copies(copy_impl, reset=True)
@@ -331,48 +316,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
         unaliased_calls_per_step=unaliased[0] / steps, unaliased_bytes_per_step=unaliased[1] / steps,
         miss_rate=copied / selected if selected else None,
         bytes_copied_per_step=copied * bb, bytes_copied_per_step_scaled=copied * bb * per_layer_copy_scale)
-    if timelines:
-        rec["doorbell_timeline"] = doorbell_summary(timelines)
-    if overlap and mode in OFFLOAD_MODES:
-        rec["overlap"] = _overlap(ctx, mode, context, batch, inputs, rec, steps=steps, warmup=warmup,
-                                  copy_impl=copy_impl, num_ctas=num_ctas, copy_group=copy_group,
-                                  copy_start=copy_start)
     return rec
-
-
-def _records_timeline(mode: str, copy_start: str, copy_impl) -> bool:
-    # the engine resolves copy_impl None the same way (decode_plan): "cuda" on a GPU
-    return copy_start == "doorbell" and mode == "sparda" and resolve_implementation(copy_impl) in FFI_IMPLEMENTATIONS
-
-
-def doorbell_summary(timelines: list[dict]) -> dict:
-    """The doorbell steps' timelines (`copy_engine.doorbell_timeline`, one per synchronous step)
-    as per-job medians over the steps (us after the server began), and what they say per layer,
-    each a median over the steps of that step's difference: copy_us, the server's time on the
-    job; start_lag_us, ring to the server taking it up; window_us, ring to XLA's stream reaching
-    the wait (the compute the copy may hide under); slack_us, the copy's end to the wait's start
-    (< 0: the wait found it unfinished); stall_us, XLA's stream in the wait."""
-    st = {m: np.stack([t[m] for t in timelines]) for m in DOORBELL_MARKS}  # [steps, jobs]
-    diffs = {"copy_us": st["copy_end"] - st["copy_begin"], "start_lag_us": st["copy_begin"] - st["ring"],
-             "window_us": st["wait_begin"] - st["ring"], "slack_us": st["wait_begin"] - st["copy_end"],
-             "stall_us": st["wait_end"] - st["wait_begin"]}
-
-    def med(a, axis=None):
-        with warnings.catch_warnings():  # a mark no step reached stays NaN
-            warnings.simplefilter("ignore", RuntimeWarning)
-            return np.nanmedian(a, axis=axis)
-
-    num = lambda x: round(float(x), 2) if np.isfinite(x) else None  # a mark never reached: null, not NaN
-    stall = diffs["stall_us"]
-    out = {"steps": len(timelines), "jobs": int(st["ring"].shape[1]),
-           "per_job_us": {k: [num(x) for x in med(v, axis=0)] for k, v in {**st, **diffs}.items()}}
-    out.update({f"median_{k}": num(med(v)) for k, v in diffs.items()})
-    # a layer's period on XLA's stream: one ring to the next (None with one job a step)
-    out["median_ring_interval_us"] = num(med(np.diff(st["ring"], axis=1))) if st["ring"].shape[1] > 1 else None
-    # XLA's stream in waits, a step: summed over the jobs, the median over the steps
-    out["stall_us_per_step"] = (num(med(np.nansum(stall, axis=1)[np.isfinite(stall).any(axis=1)]))
-                                if np.isfinite(stall).any() else None)
-    return out
 
 
 def _advancer(step, inputs):
@@ -380,22 +324,6 @@ def _advancer(step, inputs):
         _, st, stats = step(*inputs[i], st)
         return st, stats
     return advance
-
-
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("cache_l",))
-def _copy_only(host: dict, cache_l: dict, srcs, dst, *, plan):
-    """The data movement of one decode step alone: per offloaded layer, the engine's copy of
-    the tasks (srcs[l - 1], dst) into one layer's cache, started and waited as the plan's mode
-    does it (`_gather_blocks`: one copy per payload on its own lane with its CTA share, or one
-    synchronous copy of every payload). The layers chain through the cache, so they run in order."""
-    # as `_engine_decode`'s async_copy
-    start = plan.mode == "sparda" and plan.copy_impl in FFI_IMPLEMENTATIONS and plan.copy_start != "graph"
-    for i in range(srcs.shape[0]):
-        src = _serve_first(plan, srcs[i], i, srcs.shape[0]) if start else srcs[i]
-        cache_l = _gather_blocks(plan, host, i + 1, src, dst, cache_l, start=start, job=i)
-        if start:
-            cache_l = _wait_blocks(plan, cache_l, src, dst, _after_start(cache_l, src)[1], job=i)
-    return cache_l
 
 
 def marginal(hi: dict, lo: dict, *, full_layers: int) -> dict:
@@ -406,8 +334,7 @@ def marginal(hi: dict, lo: dict, *, full_layers: int) -> dict:
     Scaling step(L_hi) by full / L_hi instead counts the step's fixed costs (embedding, LM head,
     the resident layer 0, the host's dispatch) and, with prefetch, the pipeline's fill and drain
     (the first copy has only layer 0 to hide behind, the last layer's compute nothing) full / L_hi
-    times. The same difference of the overlap's three timings gives a layer's compute alone, copy
-    alone and both."""
+    times."""
     lh, ll = hi["layers_timed"], lo["layers_timed"]
     if not lh > ll >= 1:
         raise ValueError(f"marginal: need layers_timed hi > lo >= 1, got {lh} and {ll}")
@@ -417,71 +344,7 @@ def marginal(hi: dict, lo: dict, *, full_layers: int) -> dict:
            "per_layer_seconds": per, "step_seconds_extrapolated": step,
            "tokens_per_s_extrapolated": hi["batch"] / step if step > 0 else None,
            "miss_rate_lo": lo.get("miss_rate")}
-    if "overlap" in hi and "overlap" in lo:
-        d = {k: (hi["overlap"][k] - lo["overlap"][k]) / (lh - ll)
-             for k in ("compute_alone_s", "copy_alone_s", "both_s")}
-        # differences of noisy timings: a layer's compute or copy can come out <= 0 (seen on CPUs)
-        top, tot = max(d["compute_alone_s"], d["copy_alone_s"]), d["compute_alone_s"] + d["copy_alone_s"]
-        out["overlap_per_layer"] = {**d, "ratio_to_max": d["both_s"] / top if top > 0 else None,
-                                    "ratio_to_sum": d["both_s"] / tot if tot > 0 else None}
     return out
-
-
-def _overlap(ctx: _Ctx, mode: str, context: int, batch: int, inputs, rec: dict, *, steps: int, warmup: int,
-             copy_impl, num_ctas, copy_group: int = 1, copy_start: str = "lanes") -> dict:
-    """The issue's overlap measurement, in the same run as the row: the row's steps with every
-    copy disabled (`skip_copies`: same launches, bookkeeping and inputs, no data moved) and the
-    row's data movement alone (`_copy_only`: its copied blocks per step and layer, random
-    distinct sources, slots 0..n-1), both timed as the row (back to back, one wait). Times are of
-    the layers timed, unscaled, like step_seconds."""
-    cfg = ctx.cfg
-    state = _build(ctx, mode, context, batch, len(inputs))
-    advance = _advancer(_stepper(ctx, mode, copy_impl=copy_impl, num_ctas=num_ctas, skip_copies=True,
-                                 copy_group=copy_group, copy_start=copy_start), inputs)
-    state = _back_to_back(advance, state, 0, 1 + warmup)[1]  # compile, cold cache, warm-up
-    compute, state, got = _back_to_back(advance, state, 1 + warmup, 1 + warmup + steps)
-    compute /= ctx.steps_per_call  # per step, as the row's step_seconds
-    skipped_copied = _per_step(ctx, got, "copied_blocks")
-    compute_timeline = None
-    if _records_timeline(mode, copy_start, copy_impl):
-        # compute alone's own timeline, from synchronous steps after the timed ones: its ring interval
-        # beside the row's tells a per-layer cost of moving data from one outside the layers
-        tls = []
-        for i in range(1 + warmup + steps, 1 + warmup + steps + min(3, steps)):
-            state = jax.block_until_ready(advance(i, state)[0])
-            tls.append(doorbell_timeline(cfg.num_layers - 1, copy_impl))
-        compute_timeline = doorbell_summary(tls)
-
-    plan = decode_plan(cfg, mode, state.cache, dtype=BF16, copy_impl=copy_impl, num_ctas=num_ctas,
-                       copy_group=copy_group, copy_start=copy_start, copy_in_graph=ctx.copy_in_graph,
-                       graph_scheduling=ctx.graph_scheduling)
-    host = state.host
-    cache_l = dict(state.cache[0])
-    del state
-    l1, b, kh, nb = host["k"].shape[:4]
-    n = max(1, int(round(rec["copied_blocks_per_step"] / (cfg.num_layers - 1))))
-    per_layer = b * kh * nb
-    rng = np.random.default_rng(ctx.seed)
-    # the CUDA engine's sources index the pool of every layer in place; the reference's one layer
-    offset = [(l * per_layer if plan.copy_impl in FFI_IMPLEMENTATIONS else 0) for l in range(l1)]
-    srcs = jnp.asarray(np.stack([rng.choice(per_layer, n, replace=False) + offset[l] for l in range(l1)]), jnp.int32)
-    dst = jnp.arange(n, dtype=jnp.int32)
-
-    def copy(i, c):
-        return _copy_only(host, c, srcs, dst, plan=plan), None
-
-    cache_l = _back_to_back(copy, cache_l, 0, 1 + warmup)[1]
-    copy_s, cache_l, _ = _back_to_back(copy, cache_l, 0, steps)
-    both = rec["step_seconds"]
-    return {"compute_alone_s": compute, "copy_alone_s": copy_s, "both_s": both,
-            "ratio_to_max": both / max(compute, copy_s), "ratio_to_sum": both / (compute + copy_s),
-            "target": OVERLAP_TARGET, "copy_blocks_per_layer": n, "copy_layers": int(l1),
-            "copy_impl": plan.copy_impl, "num_ctas": plan.num_ctas,
-            "compute_alone_copied_blocks_per_step": skipped_copied,
-            **({"compute_alone_doorbell_timeline": compute_timeline} if compute_timeline else {}),
-            "note": "layers timed, unscaled; compute_alone: skip_copies=True (same launches and bookkeeping, src -1, "
-                    "stale cache); copy_alone: the engine's gather of copy_blocks_per_layer random distinct blocks "
-                    "per offloaded layer (sparda: start + wait per payload on its lane; sparda_sync: one gather)"}
 
 
 def _order(modes, batches):
@@ -595,16 +458,6 @@ def _claims(r):
                     v = _tokens_per_s(a["sparda"], est) / _tokens_per_s(a["sparda_sync"], est)
                     out.append({"claim": f"decode T={t} B={b}: SparDA / SparDA-no-prefetch tokens/s{suffix}",
                                 "value": v, "target": 1.0, "met": bool(v > 1.0), "estimate": est})
-    for x in _ok(rows, mode="sparda"):
-        for est, o in (("scaled", x.get("overlap")), ("marginal", x.get("marginal", {}).get("overlap_per_layer"))):
-            if o is None or o["ratio_to_max"] is None:
-                continue
-            what = "decode step" if est == "scaled" else "decode layer (marginal: layers timed hi - lo)"
-            v = o["ratio_to_max"]
-            out.append({"claim": f"decode T={x['T']} B={x['batch']} {x['variant']}: {what} with prefetch / "
-                                 "max(compute alone, copy alone)", "value": v, "target": OVERLAP_TARGET,
-                        "met": bool(v <= OVERLAP_TARGET), "estimate": est,
-                        "target_note": f"<= {OVERLAP_TARGET}", "overlap": o})
     best = {}
     for t in sorted({x["T"] for x in rows}):
         for m in r["config"]["modes"]:
@@ -674,18 +527,13 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                  real_miss_rates: dict | None = None, real_model: str | None = None, num_ctas: int | None = None,
                  copy_impl: str | None = None, budget_s: float | None = 200.0, check: bool = True,
                  with_ceilings: bool = True, profile_steps: int = 0, profile_reuse: bool = False,
-                 overlap: bool = False, copy_group: int = 1,
-                 copy_start: str = "lanes", weights: str = "layered", copy_in_graph: bool = True,
-                 graph_scheduling: str | None = None, marginal_layers: int | None = None,
-                 validate_layers: int | None = None, topk_impl: str = "xla", steps_per_call: int = 1, seed: int = 0,
+                 weights: str = "layered", marginal_layers: int | None = None,
+                 validate_layers: int | None = None, steps_per_call: int = 1, seed: int = 0,
                  out=None, log=None) -> dict:
     """With `out`, the JSON is rewritten after every configuration ("complete": false until the end).
     profile_steps: trace that many extra steps of every random-traffic row of the claims' pairs
     (with profile_reuse, of their reuse rows too)
-    (`bench.profile`), their traces under <out's folder>/profiles/. overlap: for the rows (random
-    traffic and reuse variants) of sparda and sparda_sync among the claims' pairs, also time the
-    step without its copies and the copies alone (rec["overlap"], `_overlap`), and claim
-    sparda's step <= 1.1 x the larger.
+    (`bench.profile`), their traces under <out's folder>/profiles/.
     marginal_layers: also time every claims' row with that many layers (fewer than `layers`) and
     estimate the full model's step from the two (`marginal`, rec["marginal"]); the claims are then
     also made on that estimate. validate_layers: time the batch-8 claim's rows (every traffic)
@@ -710,8 +558,8 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
             r["ceilings_error"] = unavailable(e)
         h2d = _h2d_gb_per_s()
     r["ceilings"] = {**(ceil or {}), "h2d_gb_per_s": h2d}
-    ctx_kw = dict(topk_impl=topk_impl, steps_per_call=steps_per_call)
-    ctx = _Ctx(preset, layers, modes, seed, log, weights, copy_in_graph, graph_scheduling, **ctx_kw)
+    ctx_kw = dict(steps_per_call=steps_per_call)
+    ctx = _Ctx(preset, layers, modes, seed, log, weights, **ctx_kw)
     for name, n in (("marginal_layers", marginal_layers), ("validate_layers", validate_layers)):
         if n is not None and not 2 <= n <= ctx.full.num_layers:  # the engine keeps layer 0 on the device
             raise ValueError(f"{name}={n}: need 2 to {ctx.full.num_layers} (the preset's layers)")
@@ -719,14 +567,13 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
         raise ValueError(f"marginal_layers={marginal_layers} must be fewer than the layers timed ({ctx.cfg.num_layers})")
     if validate_layers is not None and (marginal_layers is None or validate_layers <= ctx.cfg.num_layers):
         raise ValueError("validate_layers needs marginal_layers and more layers than the layers timed")
-    ctx_lo = (_Ctx(preset, marginal_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling, **ctx_kw)
+    ctx_lo = (_Ctx(preset, marginal_layers, modes, seed, log, weights, **ctx_kw)
               if marginal_layers else None)
     r["config"] = _run_config(ctx, preset, modes=list(modes), lengths=list(lengths), batches=list(batches), steps=steps,
                               warmup=warmup, reuse_fractions=list(reuse_fractions), num_ctas=num_ctas,
-                              copy_impl=copy_impl, budget_s=budget_s, overlap=overlap, copy_group=copy_group,
-                              copy_start=copy_start, weights=weights, copy_in_graph=copy_in_graph,
-                              graph_scheduling=graph_scheduling, marginal_layers=marginal_layers, topk_impl=topk_impl,
-                              validate_layers=validate_layers, steps_per_call=steps_per_call)
+                              copy_impl=copy_impl, budget_s=budget_s, weights=weights,
+                              marginal_layers=marginal_layers, validate_layers=validate_layers,
+                              steps_per_call=steps_per_call)
     if real_model:
         try:
             r["real_model"] = real_miss_rate(real_model, log=log)
@@ -748,15 +595,12 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
                 tag = f"_reuse{kw['reuse_fraction']:.2f}" if kw.get("reuse_fraction") else ""
                 prof = dict(profile_steps=profile_steps, profile_dir=pathlib.Path(out or ".").parent / "profiles"
                             / f"decode_{mode}_T{t}_B{b}{tag}")
-            if overlap and claim_pair(mode, b) and mode in ("sparda", "sparda_sync"):
-                prof["overlap"] = True
             rec = decode_config(ctx, mode, t, b, steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl,
-                                check=check, copy_group=copy_group, copy_start=copy_start, **prof, **kw)
+                                check=check, **prof, **kw)
             _floors(rec, ctx, ceil, h2d)
-            again = dict(steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl, check=False,
-                         copy_group=copy_group, copy_start=copy_start, **kw)
+            again = dict(steps=steps, warmup=warmup, num_ctas=num_ctas, copy_impl=copy_impl, check=False, **kw)
             if ctx_lo is not None and rec.get("status") == "ok" and claim_pair(mode, b):
-                lo = decode_config(ctx_lo, mode, t, b, overlap=prof.get("overlap", False), **again)
+                lo = decode_config(ctx_lo, mode, t, b, **again)
                 if lo.get("status") == "ok":
                     rec["marginal"] = marginal(rec, lo, full_layers=ctx.full.num_layers)
                 else:
@@ -778,8 +622,7 @@ def bench_decode(preset: str = "minicpm4.1-8b", *, lengths=(131072,), batches=(4
     def validate(rec, mode, t, b, again):
         """The estimate's prediction for validate_layers layers against a row timed with them."""
         if not ctx_v:
-            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, copy_in_graph, graph_scheduling,
-                              **ctx_kw))
+            ctx_v.append(_Ctx(preset, validate_layers, modes, seed, log, weights, **ctx_kw))
         x = decode_config(ctx_v[0], mode, t, b, **again)
         if x.get("status") != "ok":
             return {"layers": validate_layers, "status": x.get("status")}
@@ -858,13 +701,14 @@ def real_miss_rate(model: str = "smollm2-135m", *, context: int = 4096, steps: i
     for mode in modes:
         kw = mode_kwargs(extra, selector_of(mode))
         kw.pop("mode")
-        last, st = engine_prefill(m.params, jnp.asarray([ids]), jnp.asarray([context]), m.config, mode=mode,
+        engine = EngineConfig(mode)
+        last, st = engine_prefill(m.params, jnp.asarray([ids]), jnp.asarray([context]), m.config, engine,
                                   cache_size=context + steps + 1, dtype=m.dtype, **kw)
         tok = jnp.argmax(last, axis=-1).astype(jnp.int32)
         cop = sel = 0
         for i in range(steps):
             logits, st, s = engine_decode_step(m.params, tok, jnp.asarray([context + i], jnp.int32), st, m.config,
-                                               mode=mode, dtype=m.dtype, **kw)
+                                               engine, dtype=m.dtype, **kw)
             tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             if i > 0:
                 cop += int(s["copied_blocks"])
@@ -970,30 +814,6 @@ def _fmt_row(x, cols):
             f"{x['tokens_per_s']:.1f} | {x['step_seconds_scaled'] * 1e3:.1f} | {host} | {sync} | {mr} | {mb:.1f} | {chk} |")
 
 
-def _overlap_line(x) -> str:
-    o = x["overlap"]
-    return (f"overlap {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} (layers timed, unscaled): step "
-            f"{o['both_s'] * 1e3:.2f} ms, compute alone {o['compute_alone_s'] * 1e3:.2f} ms, copy alone "
-            f"{o['copy_alone_s'] * 1e3:.2f} ms ({o['copy_blocks_per_layer']} blocks x {o['copy_layers']} layers); "
-            f"step / max {o['ratio_to_max']:.2f} (target <= {o['target']}), step / sum {o['ratio_to_sum']:.2f}"
-            + _ring_intervals(x))
-
-
-def _ring_intervals(x) -> str:
-    """The row's and compute alone's layer period on XLA's stream (doorbell timelines), where both exist."""
-    a = (x.get("doorbell_timeline") or {}).get("median_ring_interval_us")
-    b = (x["overlap"].get("compute_alone_doorbell_timeline") or {}).get("median_ring_interval_us")
-    return f"; ring to ring {a:.0f} us, compute alone {b:.0f} us" if a is not None and b is not None else ""
-
-
-def _timeline_line(x) -> str:
-    t = {k: (float("nan") if v is None else v) for k, v in x["doorbell_timeline"].items()}
-    return (f"doorbell timeline {x['variant']} ({t['steps']} steps, {t['jobs']} jobs, medians): copy "
-            f"{t['median_copy_us']:.0f} us, ring to copy {t['median_start_lag_us']:.0f} us, window "
-            f"{t['median_window_us']:.0f} us, slack {t['median_slack_us']:.0f} us, stall {t['median_stall_us']:.0f} us "
-            f"({t['stall_us_per_step']:.0f} us a step), ring to ring {t.get('median_ring_interval_us', float('nan')):.0f} us")
-
-
 def _marginal_line(x) -> str:
     m = x["marginal"]
     s = (f"marginal {LABELS.get(x['mode'], x['mode'])} T={x['T']} B={x['batch']} {x['variant']}: layers {m['layers'][0]} "
@@ -1001,11 +821,6 @@ def _marginal_line(x) -> str:
          f"{m['step_seconds_extrapolated'] * 1e3:.1f} ms, "
          # None where the timings' noise made the estimate <= 0 (CPUs)
          + ("-" if m["tokens_per_s_extrapolated"] is None else f"{m['tokens_per_s_extrapolated']:.1f}") + " tok/s")
-    if "overlap_per_layer" in m:
-        o = m["overlap_per_layer"]
-        s += (f"; a layer: compute alone {o['compute_alone_s'] * 1e3:.3f}, copy alone {o['copy_alone_s'] * 1e3:.3f}, "
-              f"both {o['both_s'] * 1e3:.3f} ms, / max "
-              + ("-" if o["ratio_to_max"] is None else f"{o['ratio_to_max']:.2f}"))
     if "step_seconds_predicted" in m.get("validation", {}):
         v = m["validation"]
         s += (f"; at {v['layers']} layers measured {v['step_seconds_measured'] * 1e3:.2f} ms, predicted "
@@ -1025,8 +840,6 @@ def table(r: dict) -> str:
         lines.append(_fmt_row({**x, "system": LABELS.get(x["mode"], x["mode"])}, cols))
     lines += claim_lines(r)
     lines += decomposition_lines(r)
-    lines += [_overlap_line(x) for x in rows if "overlap" in x]
-    lines += [_timeline_line(x) for x in rows if "doorbell_timeline" in x]
     lines += [_marginal_line(x) for x in rows if "per_layer_seconds" in x.get("marginal", {})]
     for t, bm in r.get("best_feasible", {}).items():
         lines.append(f"best feasible T={t}: " + ", ".join(f"{LABELS.get(m, m)} B={v['batch']} {v['tokens_per_s']:.1f} tok/s"
@@ -1182,11 +995,8 @@ def main(args) -> int:
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,
-                         profile_steps=args.profile_steps, profile_reuse=args.profile_reuse, overlap=args.overlap,
-                         copy_group=args.copy_group,
-                         copy_start=args.copy_start, weights=args.weights, copy_in_graph=args.copy_in_graph,
-                         graph_scheduling=args.graph_scheduling, marginal_layers=args.marginal_layers,
-                         validate_layers=args.validate_layers, topk_impl=args.topk_impl,
+                         profile_steps=args.profile_steps, profile_reuse=args.profile_reuse, weights=args.weights,
+                         marginal_layers=args.marginal_layers, validate_layers=args.validate_layers,
                          steps_per_call=args.steps_per_call, out=out)
         printer = table
     return plot_and_print(r, out, plot, printer)

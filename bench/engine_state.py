@@ -27,7 +27,7 @@ from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig, get_preset
 from sparda_jax.forecast import init_forecast
 from sparda_jax.infinigen import InfiniGenParams
-from sparda_jax.infer.engine import RESIDENT_MODES, OffloadState, host_pool, memory_report, selector_of
+from sparda_jax.infer.engine import RESIDENT_MODES, OffloadLayer, OffloadState, host_pool, memory_report, selector_of
 from sparda_jax.model import KVCache, init_params
 from sparda_jax.modes import DecodeState
 
@@ -153,7 +153,7 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
             ks.append(k)
             vs.append(v)
         elif layer == 0:
-            l0 = {"k": k, "v": v}
+            l0 = DecodeState(KVCache(k, v), cks[0] if cks else None, None, None, pks[0] if pks else None)
         else:
             ks.append(_blocks(k, bs=bs))
             vs.append(_blocks(v, bs=bs))
@@ -169,10 +169,11 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
         xs.clear()  # one payload's pool on the device at a time
         host[name] = host_pool(dev)  # placed as engine_prefill places its pools, and checked
         del dev
-    l1, kh, d = config.num_layers - 1, config.num_kv_heads, config.head_dim
-    cache = tuple({n: jnp.zeros((batch, kh, n_slots, bs, d), BF16) for n in ("k", "v")} for _ in range(l1))
-    table = jnp.full((l1, batch, kh, n_slots), -1, jnp.int32)
-    return OffloadState(l0, host, cache, table, tuple(cks), None, tuple(pks) if pks else None)
+    kh, d = config.num_kv_heads, config.head_dim
+    layers = tuple(OffloadLayer({n: jnp.zeros((batch, kh, n_slots, bs, d), BF16) for n in ("k", "v")},
+                                jnp.full((batch, kh, n_slots), -1, jnp.int32), cks[i], None, pks[i] if pks else None)
+                   for i in range(1, config.num_layers))
+    return OffloadState(l0, host, layers)
 
 
 def block_bytes(config: ModelConfig, dtype=BF16) -> int:

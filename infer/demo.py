@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.text import haystack_tokens, insert_at_depth
 
-from .engine import selector_of
+from .engine import EngineConfig, selector_of
 from .generate import SamplingConfig, generate
 
 __all__ = ["RetrievalCase", "make_case", "run_retrieval", "results_table"]
@@ -81,7 +81,7 @@ def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_n
     kw.pop("mode")
     out, st = generate(model.params, model.config, [case.prompt_ids],
                        SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
-                       dtype=model.dtype, system=system, return_stats=True, **kw,
+                       dtype=model.dtype, engine=EngineConfig(system), return_stats=True, **kw,
                        on_step=lambda g: steps.append(time.perf_counter()))
     total = time.perf_counter() - t0
     answer = model.tokenizer.decode(out[0])

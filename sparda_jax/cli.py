@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, set_eager_module_loading, set_launch_queues
+from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, set_launch_queues
 
 __all__ = ["main"]
 
@@ -22,16 +22,6 @@ _DTYPES = ("float32", "bfloat16")
 
 EVAL_MODES = ("dense", "sparse", "infinigen", "sparda")  # the eval tables' column order
 EVAL_LENGTHS = (1024, 2048, 4096, 8192)  # SmolLM2: 1K..8K; the tasks suite caps the last at what fits
-
-
-def _copy_group(s: str) -> int:
-    try:
-        n = int(s)
-    except ValueError:
-        n = 0
-    if not 1 <= n <= 8:  # kMaxGroup of kernels/copy/copy_tasks.h
-        raise argparse.ArgumentTypeError(f"a copy group is an integer in 1..8, got {s!r}")
-    return n
 
 
 def _cta_count(s: str):
@@ -86,14 +76,15 @@ def _cmd_generate(args) -> int:
         printed = len(s)
 
     from .api import mode_kwargs, prepare_modes
-    from .infer.engine import selector_of
+    from .infer.engine import EngineConfig
 
-    extra = prepare_modes(model, [selector_of(args.system)], seed=args.seed)
-    kw = mode_kwargs(extra, selector_of(args.system))
+    engine = EngineConfig(args.system)
+    extra = prepare_modes(model, [engine.selector], seed=args.seed)
+    kw = mode_kwargs(extra, engine.selector)
     kw.pop("mode")
     t0 = time.perf_counter()
     out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
-                   dtype=model.dtype, system=args.system, on_step=stream, steps_per_call=args.steps_per_call, **kw)
+                   dtype=model.dtype, engine=engine, on_step=stream, steps_per_call=args.steps_per_call, **kw)
     dt = time.perf_counter() - t0
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
@@ -353,15 +344,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "inputs are alike along positions as on real text (0: random tokens; in [0, 1))")
     bn.add_argument("--prefill-only", action="store_true", help="attention, select: skip the decode cases")
     bn.add_argument("--decode-only", action="store_true", help="attention, select: skip the prefill cases")
-    bn.add_argument("--copy-group", type=_copy_group, default=1,
-                    help="decode: blocks a copy CTA moves as one range (1: the 4-deep kernel; >1: 16 loads in flight)")
-    bn.add_argument("--copy-start", choices=["lanes", "one", "graph", "doorbell"], default="lanes",
-                    help="decode, sparda: K and V started as copies on two lanes, or as one copy; graph: the "
-                         "prefetch as the in-graph gather beside the previous layer (CONCURRENT graph scheduling); doorbell: "
-                         "a persistent copy server, rung and waited on inside XLA's graphs")
-    bn.add_argument("--graph-scheduling", choices=["LHS", "SERIALIZE", "CONCURRENT_REGIONS", "CONCURRENT"],
-                    help="decode: XLA's command-buffer scheduling mode for the engine's step (default: XLA's "
-                         "own; CONCURRENT with --copy-start graph)")
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
@@ -369,13 +351,6 @@ def build_parser() -> argparse.ArgumentParser:
                     help="decode: decode steps in each timed call, run as one device program "
                          "(infer.engine.engine_decode_steps; XLA records its graphs once for all of them); "
                          "times stay per step")
-    bn.add_argument("--topk-impl", choices=["xla", "xla_count", "mosaic_gpu"], default="xla",
-                    help="decode: the selectors' top-k in the engine's step (the engine's topk_impl): XLA's "
-                         "lax.top_k and sort, XLA's ranks by counting (no sort), or the sort-free Mosaic "
-                         "kernel (Hopper)")
-    bn.add_argument("--copy-in-graph", action=argparse.BooleanOptionalAction, default=True,
-                    help="decode: the synchronous gather and the write-back as custom calls XLA may record into "
-                         "its CUDA graphs (the engine's copy_in_graph, default); --no-copy-in-graph: graph cuts")
     bn.add_argument("--pipeline-only", action="store_true",
                     help="copy: only the prefetch-pattern sweep (bench_pipeline: CTAs, threads, resident)")
     bn.add_argument("--budget-s", type=float,
@@ -399,10 +374,6 @@ def build_parser() -> argparse.ArgumentParser:
                          "time per step, per stream, top kernels; traces under <out's folder>/profiles/")
     bn.add_argument("--profile-reuse", action="store_true",
                     help="decode, with --profile-steps: trace the claims' reuse rows too (each a trace of its own)")
-    bn.add_argument("--overlap", action="store_true",
-                    help="decode: for the claims' random rows of sparda and sparda_sync, also time the step with "
-                         "every copy disabled (compute alone) and the copies alone; claim SparDA's step <= 1.1 x "
-                         "max of the two")
     bn.add_argument("--marginal-layers", type=int,
                     help="decode: also time the claims' rows with this many layers (fewer than --layers) and "
                          "estimate the full model's step from the difference (bench.decode.marginal)")
@@ -427,11 +398,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             set_launch_queues(args.launch_queues)  # before any command touches the GPU
         except RuntimeError as e:  # main() called in a process already on the GPU: run, but say so
-            print(f"sparda: warning: {e}", file=sys.stderr)
-    if getattr(args, "copy_start", None) == "doorbell":
-        try:
-            set_eager_module_loading()  # the doorbell's server must not wait on a lazy kernel load
-        except RuntimeError as e:
             print(f"sparda: warning: {e}", file=sys.stderr)
     try:
         return args.fn(args)

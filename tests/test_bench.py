@@ -520,7 +520,7 @@ def test_prefill_bench_correlated_inputs_shrink_the_measured_tile_union(tmp_path
         assert unions[(0.99, m)] < unions[(0.0, m)] - 0.2, unions
 
 
-def test_decode_bench_overlap_and_marginal_estimate_on_cpu(monkeypatch):
+def test_decode_bench_marginal_estimate_on_cpu(monkeypatch):
     from sparda_jax.bench import engine_state
     from sparda_jax.bench.decode import bench_decode, table
     from sparda_jax.config import get_preset
@@ -528,18 +528,9 @@ def test_decode_bench_overlap_and_marginal_estimate_on_cpu(monkeypatch):
     four = get_preset("tiny").replace(num_layers=4)  # room for 2 (marginal), 3 (timed) and 4 (validation) layers
     monkeypatch.setattr(engine_state, "get_preset", lambda name: four)
     r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparse", "sparda_sync", "sparda"), layers=3, steps=2,
-                     warmup=1, reuse_fractions=(), with_ceilings=False, budget_s=None, overlap=True, marginal_layers=2,
+                     warmup=1, reuse_fractions=(), with_ceilings=False, budget_s=None, marginal_layers=2,
                      validate_layers=4, log=lambda s: None)
     rows = {x["mode"]: x for x in r["rows"]}
-    assert "overlap" not in rows["sparse"] and "overlap" not in rows["sparda_sync"]  # not a claim's row at batch 8
-    o = rows["sparda"]["overlap"]
-    for k in ("compute_alone_s", "copy_alone_s", "both_s", "ratio_to_max", "ratio_to_sum"):
-        assert o[k] > 0, k
-    assert o["both_s"] == rows["sparda"]["step_seconds"] and o["target"] == 1.1
-    assert o["copy_blocks_per_layer"] == round(rows["sparda"]["copied_blocks_per_step"] / 2) and o["copy_layers"] == 2
-    cl = [c for c in r["claims"] if "decode step with prefetch / max(compute alone" in c["claim"]]
-    assert len(cl) == 1 and cl[0]["value"] == o["ratio_to_max"] and cl[0]["met"] == (o["ratio_to_max"] <= 1.1)
-    assert "overlap SparDA T=256 B=8" in table(r)
     # the marginal estimate: the claims' rows (sparse and sparda at batch 8) timed again at 2 layers
     assert "marginal" not in rows["sparda_sync"]
     for m in ("sparse", "sparda"):
@@ -552,20 +543,14 @@ def test_decode_bench_overlap_and_marginal_estimate_on_cpu(monkeypatch):
         assert v["layers"] == 4 and v["step_seconds_measured"] > 0
         assert v["step_seconds_predicted"] == pytest.approx(g["step_seconds_extrapolated"])  # 4 layers is the full model
         assert v["step_seconds_by_scaling"] == pytest.approx(x["step_seconds"] * 4 / 3)
-    assert "overlap_per_layer" in rows["sparda"]["marginal"] and "overlap_per_layer" not in rows["sparse"]["marginal"]
     # a claim on the estimate exists where its values do: CPU timings are noisy, and a difference
     # of two can come out <= 0 (then the estimate is None and no claim is made)
     est = {c["claim"]: c for c in r["claims"] if c.get("estimate") == "marginal"}
     tps = {m: rows[m]["marginal"]["tokens_per_s_extrapolated"] for m in ("sparse", "sparda")}
     speed = "decode T=256 B=8: SparDA / Sparse tokens/s (marginal-layer estimate)"
-    layer = ("decode T=256 B=8 random: decode layer (marginal: layers timed hi - lo) with prefetch / "
-             "max(compute alone, copy alone)")
-    ratio = rows["sparda"]["marginal"]["overlap_per_layer"]["ratio_to_max"]
-    assert set(est) == {k for k, ok in ((speed, None not in tps.values()), (layer, ratio is not None)) if ok}
+    assert set(est) == ({speed} if None not in tps.values() else set())
     if speed in est:
         assert est[speed]["value"] == pytest.approx(tps["sparda"] / tps["sparse"])
-    if layer in est:
-        assert est[layer]["value"] == ratio
     assert "marginal SparDA T=256 B=8 random: layers 2 and 3" in table(r)
 
 
@@ -622,19 +607,11 @@ def test_marginal_estimate_is_exact_for_a_step_linear_in_layers():
 
     def row(layers, **kw):
         return {"layers_timed": layers, "batch": 8, "step_seconds": fixed + layers * per, **kw}
-    ov = lambda L: {"compute_alone_s": 0.2e-3 + L * 0.3e-3, "copy_alone_s": L * 0.4e-3, "both_s": 0.5e-3 + L * 0.42e-3}
-    m = marginal(row(4, overlap=ov(4)), row(2, overlap=ov(2)), full_layers=full)
+    m = marginal(row(4), row(2), full_layers=full)
     assert m["per_layer_seconds"] == pytest.approx(per)
     assert m["step_seconds_extrapolated"] == pytest.approx(fixed + full * per)
     assert m["tokens_per_s_extrapolated"] == pytest.approx(8 / (fixed + full * per))
     assert (fixed + 4 * per) * full / 4 > m["step_seconds_extrapolated"] * 1.2  # the scaling's overstatement
-    o = m["overlap_per_layer"]
-    assert o["compute_alone_s"] == pytest.approx(0.3e-3) and o["copy_alone_s"] == pytest.approx(0.4e-3)
-    assert o["ratio_to_max"] == pytest.approx(0.42 / 0.4) and o["ratio_to_sum"] == pytest.approx(0.42 / 0.7)
-    assert "overlap_per_layer" not in marginal(row(4), row(2), full_layers=full)
-    flat = lambda L: {"compute_alone_s": 1e-3, "copy_alone_s": 2e-3, "both_s": 2e-3 + L * 1e-4}  # no per-layer cost
-    o = marginal(row(4, overlap=flat(4)), row(2, overlap=flat(2)), full_layers=full)["overlap_per_layer"]
-    assert o["ratio_to_max"] is None and o["ratio_to_sum"] is None
     with pytest.raises(ValueError, match="hi > lo"):
         marginal(row(2), row(4), full_layers=full)
 

@@ -113,29 +113,3 @@ def test_a_deep_gpu_decode_warns_once_about_default_launch_queues(monkeypatch):
         runtime.warn_if_default_launch_queues(32)
         runtime.warn_if_default_launch_queues(32)  # once per process
     assert len(w) == 1 and "CUDA_SCALE_LAUNCH_QUEUES=4x" in str(w[0].message)
-
-
-def test_doorbell_copies_have_cuda_load_kernels_eagerly(monkeypatch):
-    # the doorbell's server spins beside the step; a kernel CUDA loads lazily between them may
-    # wait for the server (runtime docstring), so `--copy-start doorbell` asks for eager loading
-    from sparda_jax import runtime
-
-    monkeypatch.delenv(runtime.MODULE_LOADING, raising=False)
-    monkeypatch.setattr(runtime, "_gpu_started", lambda: False)  # as in a fresh process (a GPU run's conftest starts JAX)
-    assert runtime.lazy_module_loading()
-    import sparda_jax.cli as cli
-
-    seen = []
-    monkeypatch.setattr(cli, "_cmd_bench", lambda a: seen.append((a.copy_start, os.environ.get(runtime.MODULE_LOADING))) or 0)
-    assert main(["bench", "decode", "--copy-start", "lanes"]) == 0 and runtime.lazy_module_loading()
-    assert main(["bench", "decode", "--copy-start", "doorbell"]) == 0
-    assert seen == [("lanes", None), ("doorbell", "EAGER")]  # set before the command ran
-    monkeypatch.delenv(runtime.MODULE_LOADING)
-    monkeypatch.setattr(runtime, "_gpu_started", lambda: True)
-    with pytest.raises(RuntimeError, match="before JAX first uses the GPU"):
-        runtime.set_eager_module_loading()
-    assert runtime.MODULE_LOADING not in os.environ
-    monkeypatch.setattr(runtime, "_gpu_started", lambda: False)
-    assert runtime.set_eager_module_loading() == "EAGER" and not runtime.lazy_module_loading()
-    monkeypatch.setenv(runtime.MODULE_LOADING, "LAZY")
-    assert runtime.set_eager_module_loading() == "LAZY" and runtime.lazy_module_loading()  # the user's value wins

@@ -144,6 +144,16 @@ def test_dispatch_on_the_cpu():
     assert unaliased_copies("xla") == (0, 0)
 
 
+def test_host_pool_places_in_pinned_host_where_the_device_has_it():
+    from sparda_jax.kernels.kv_copy import host_pool
+
+    x = np.random.default_rng(0).standard_normal((6, 4, 8)).astype(np.float32)
+    pool = host_pool(x)
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    assert pool.sharding.memory_kind == ("pinned_host" if "pinned_host" in kinds else jax.devices()[0].default_memory().kind)
+    np.testing.assert_array_equal(np.asarray(pool), x)
+
+
 def test_config_is_validated_naming_the_field():
     assert KVCopyConfig() == KVCopyConfig(num_ctas=16, threads=256)
     for kw, field in (({"num_ctas": 0}, "num_ctas"), ({"num_ctas": 1025}, "num_ctas"), ({"threads": 48}, "threads"),

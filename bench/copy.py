@@ -1,7 +1,7 @@
 """`sparda bench copy`: moving 64-token KV blocks from pinned host memory to the GPU.
 
 For per-layer sizes (1..32 MiB of randomly chosen 16 KB blocks out of a large pool):
-  uva      the CUDA gather of kernels/copy (reads the host pool over UVA), per CTA count
+  uva      the "cuda" gather of kernels/kv_copy (reads the host pool over UVA), per CTA count
   bulk     one device_put of a contiguous host array of the same bytes (the ceiling)
   xla_loop a fori_loop of dynamic_slice + device_put per block inside jit
   host     gather on the host (compute_on 'device_host'), then copy (InfiniGen's path)
@@ -30,9 +30,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.envinfo import environment
-from sparda_jax.infer.engine import host_pool  # pinned_host, and on CUDA checked to be host memory
-from sparda_jax.kernels.copy_engine import (gather_blocks, gather_blocks_dma_start, gather_blocks_start, mark,
-                                            gather_blocks_wait, scatter_blocks, scatter_blocks_reference)
+from sparda_jax.kernels.kv_copy import (KVCopyConfig, after_start, gather_blocks, gather_blocks_start,
+                                        gather_blocks_wait, host_pool, join_tokens, lane_ctas, scatter_blocks,
+                                        scatter_blocks_reference)
 
 __all__ = ["bench_copy"]
 
@@ -84,7 +84,8 @@ def bench_copy(*, pool_mib: int = 2048, sizes_mib=(1, 2, 4, 8, 16, 32), ctas=(1,
             record("bulk", lambda: to_device(contiguous))
         if "uva" in variants:
             for c in ctas:
-                f = jax.jit(lambda p, s, d, k, c=c: gather_blocks(p, s, d, k, num_ctas=c, implementation="cuda"))
+                f = jax.jit(lambda p, s, d, k, c=c: gather_blocks(p, s, d, k, config=KVCopyConfig(num_ctas=c),
+                                                                 implementation="cuda"))
                 record("uva", lambda f=f: f(pool, src, dst, cache), ctas=c)
         if "xla_loop" in variants:
             @jax.jit
@@ -152,29 +153,27 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
                 row["compute_s"] = compute_alone
                 row["copy_s"] = timed(lambda: _copy(pool, src, dst, cache, c))
 
+                cfg = KVCopyConfig(num_ctas=c)
+
                 @jax.jit
                 def serial(p, s, d, k, w, x):
-                    k = gather_blocks(p, s, d, k, num_ctas=c, implementation="cuda")
+                    k = gather_blocks(p, s, d, k, config=cfg, implementation="cuda")
                     k, x = jax.lax.optimization_barrier((k, x))  # copy first, then the chain
                     return k, chain(w, x, steps)
 
-                def overlapped_fn(resident):
-                    @jax.jit
-                    def overlapped(p, s, d, k, w, x):
-                        k = gather_blocks_start(p, s, d, k, num_ctas=c, resident=resident, implementation="cuda")
-                        k, x = jax.lax.optimization_barrier((k, x))  # the start is issued before the chain
-                        y = chain(w, x, steps)
-                        return gather_blocks_wait(k, s, d, y, implementation="cuda"), y
-                    return overlapped
+                @jax.jit
+                def overlapped(p, s, d, k, w, x):
+                    k = gather_blocks_start(p, s, d, k, config=cfg, implementation="cuda")
+                    x, token = after_start(k, x)  # the start is issued before the chain
+                    y = chain(w, x, steps)
+                    return gather_blocks_wait(k, s, d, join_tokens(token, y[:1, :1]), implementation="cuda"), y
 
-                for name, fn in (("serial", serial), ("overlapped", overlapped_fn(False)),
-                                 ("overlapped_resident", overlapped_fn(True))):
+                for name, fn in (("serial", serial), ("overlapped", overlapped)):
                     got = np.asarray(fn(pool, src, dst, cache, w, x)[0]).astype(np.float32)
                     if not np.array_equal(got, expected):
                         raise AssertionError(f"{name}: wrong data")
                     row[f"{name}_s"] = timed(lambda fn=fn: fn(pool, src, dst, cache, w, x))
                 row["overlapped_vs_max"] = row["overlapped_s"] / max(row["compute_s"], row["copy_s"])
-                row["overlapped_resident_vs_max"] = row["overlapped_resident_s"] / max(row["compute_s"], row["copy_s"])
                 row["serial_vs_sum"] = row["serial_s"] / (row["compute_s"] + row["copy_s"])
             except Exception as e:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -182,29 +181,21 @@ def bench_overlap(*, copy_mib: int = 32, pool_mib: int = 1024, ctas=(8, 16, 32),
     return {"rows": rows}
 
 
-def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), threads=(256, 1024), groups=(1,),
-                   starts=("lanes",), dependent: bool = True, timeline: bool = False, compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336), repeats: int = 10, seed: int = 0,
-                   implementation: str = "cuda", log=None) -> dict:
+def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), threads=(256, 1024),
+                   dependent: bool = True, compute_ms: float = 0.7, pool_mib: int = 512, dims=(4096, 14336),
+                   repeats: int = 10, seed: int = 0, implementation: str = "cuda", log=None) -> dict:
     """The engine's prefetch pattern without the engine: does it hide the copy, and what does
     the copy cost the compute beside it? `layers` + 1 layers (layer 0 resident, no copy); layer
     l first starts layer l+1's copy (K and V, one `gather_blocks_start` each on lanes 0 and 1,
-    the CTA quota split as the engine splits it), then waits for its own, then runs a decode
-    layer's weight-read-bound work (skinny [16, 4096] x [4096, 14336] x [14336, 4096] matmuls,
-    repeated to ~compute_ms) that reads its cache (as attention does). `blocks`: K/V block pairs per
-    layer (240: SmolLM2's miss rate at batch 16 and 128K, 1920: random traffic;
-    bench/results/decode_overlap.json). Timed per (blocks, start, CTAs, threads per CTA, task group,
-    resident): compute alone, copies alone (start + wait per layer), serial (a synchronous gather
-    then the work, per layer) and pipelined. `starts`: "lanes" (the engine's: one start per payload
-    on its own lane), "one" (K and V in one start, one launch with the whole quota), "dma"
-    (`gather_blocks_dma_start`: the DMA engines). dependent: each start's task list depends on the
-    layer's input, as in the engine (runs before dfbc4ac had independent starts, which XLA may
-    issue early). timeline (CUDA): also one traced pipelined run per row (`_timeline`: when the
-    copies and the work layers ran). Every copy is checked against NumPy.
-    implementation "host_ffi" (the CPU twin) runs it on the CPU, as a test.
-    """
-    from sparda_jax.infer.engine import _after_start, join_tokens
-    from sparda_jax.kernels.copy_engine import lane_ctas
-
+    the CTA quota split by `lane_ctas`), then waits for its own, then runs a decode layer's
+    weight-read-bound work (skinny [16, 4096] x [4096, 14336] x [14336, 4096] matmuls, repeated
+    to ~compute_ms) that reads its cache (as attention does). `blocks`: K/V block pairs per layer
+    (240: SmolLM2's miss rate at batch 16 and 128K, 1920: random traffic). Timed per (blocks,
+    CTAs, threads per CTA): compute alone, copies alone (start + wait per layer), serial (a
+    synchronous gather then the work, per layer) and pipelined. dependent: each start's task
+    list depends on the layer's input, as in the engine, so XLA cannot issue it early. Every
+    copy is checked against NumPy. implementation "host_ffi" (the CPU twin) runs it on the CPU,
+    as a test."""
     log = log or (lambda m: print(m, flush=True))
     n_pool = pool_mib * 2**20 // (int(np.prod(BLOCK)) * 2)
     rng = np.random.default_rng(seed)
@@ -236,8 +227,9 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
             return tuple((jnp.zeros((n, *BLOCK), jnp.bfloat16), jnp.zeros((n, *BLOCK), jnp.bfloat16))
                          for _ in range(layers))
 
-        def make(kind, c, th, resident, grp=1, how="lanes", marks=False):
-            split = lane_ctas(c, [jnp.zeros((1, *BLOCK), jnp.bfloat16)] * 2)
+        def make(kind, c, th):
+            split = [KVCopyConfig(num_ctas=k, threads=th)
+                     for k in lane_ctas(c, [jnp.zeros((1, *BLOCK), jnp.bfloat16)] * 2)]
 
             def fn(caches, x, pools, srcs, dst, w):
                 def tasks(l, x):
@@ -249,19 +241,10 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
 
                 def start(l, kv, x):
                     sl = live[l] = tasks(l, x)
-                    if how == "one":  # K and V in one launch on lane 0, the whole quota
-                        return gather_blocks_start(pools, sl, dst, kv, num_ctas=c, lane=0, threads=th, group=grp,
-                                                   resident=resident, implementation=implementation)
-                    if how == "dma":
-                        return gather_blocks_dma_start(pools, sl, dst, kv, lane=0, implementation=implementation)
-                    return tuple(gather_blocks_start(pools[j], sl, dst, kv[j], num_ctas=split[j], lane=j,
-                                                     threads=th, group=grp, resident=resident,
-                                                     implementation=implementation)
-                                 for j in range(2))
+                    return tuple(gather_blocks_start(pools[j], sl, dst, kv[j], lane=j, config=split[j],
+                                                     implementation=implementation) for j in range(2))
 
                 def wait(l, kv, after):
-                    if how != "lanes":
-                        return gather_blocks_wait(kv, live[l], dst, after, implementation=implementation)
                     return tuple(gather_blocks_wait(kv[j], live[l], dst, after, implementation=implementation)
                                  for j in range(2))
 
@@ -274,36 +257,29 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                 elif kind == "copy":
                     for l in range(layers):
                         kv = start(l, caches[l], x)
-                        caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x)[1])
+                        caches[l] = wait(l, kv, after_start(kv, x)[1])
                 elif kind == "serial":
                     x = work(x, w, reps)
                     for l in range(layers):
-                        if how == "dma":  # the same copy, waited for before the work
-                            kv = start(l, caches[l], x)
-                            caches[l] = wait(l, kv, _after_start(dict(enumerate(kv)), x)[1])
-                        else:
-                            caches[l] = gather_blocks(pools, tasks(l, x), dst, caches[l], num_ctas=c, threads=th,
-                                                      group=grp, implementation=implementation)
+                        caches[l] = gather_blocks(pools, tasks(l, x), dst, caches[l],
+                                                  config=KVCopyConfig(num_ctas=c, threads=th),
+                                                  implementation=implementation)
                         x = work(touch(x, caches[l]), w, reps)
                 else:  # pipelined: copy l runs beside work layer l (the engine's layer l+1 copy during layer l)
-                    # marks: timing events around each work layer (ids 2i, 2i + 1) for the timeline
-                    mk = (lambda x, i: mark(x, i, implementation=implementation)) if marks else (lambda x, i: x)
                     # each wait follows its own start's barrier and the next start's (their tokens), as
                     # in the engine: a barrier whose outputs nothing uses is dropped, and its order with it
                     tokens = {}
                     caches[0] = start(0, caches[0], x)
-                    x, tokens[0] = _after_start(dict(enumerate(caches[0])), x)
-                    x = mk(x, 0)
-                    x = mk(work(x, w, reps), 1)
+                    x, tokens[0] = after_start(caches[0], x)
+                    x = work(x, w, reps)
                     for l in range(layers):
                         after = [tokens[l]]
                         if l + 1 < layers:
                             caches[l + 1] = start(l + 1, caches[l + 1], x)
-                            x, tokens[l + 1] = _after_start(dict(enumerate(caches[l + 1])), x)
+                            x, tokens[l + 1] = after_start(caches[l + 1], x)
                             after.append(tokens[l + 1])
                         caches[l] = wait(l, caches[l], join_tokens(*after, x.reshape(-1)[:1]))
-                        x = mk(touch(x, caches[l]), 2 * l + 2)
-                        x = mk(work(x, w, reps), 2 * l + 3)
+                        x = work(touch(x, caches[l]), w, reps)
                 return tuple(caches), x
             return jax.jit(fn, donate_argnums=0)
 
@@ -320,86 +296,34 @@ def bench_pipeline(*, layers: int = 4, blocks=(240, 1920), ctas=(2, 4, 8, 16), t
                         raise AssertionError(f"layer {l} payload {j}: wrong data")
             return t
 
-        compute = timed(make("compute", 1, 256, True), check=False)
-        configs = ([(c, 256, r, 1, "lanes") for c in ctas for r in (True, False) if "lanes" in starts]
-                   + [(c, th, True, 1, "lanes") for c in ctas for th in threads if th != 256 and "lanes" in starts]
-                   + [(c, 256, True, g, "lanes") for c in ctas for g in groups if g != 1 and "lanes" in starts]
-                   + [(c, 256, True, 1, "one") for c in ctas if "one" in starts]
-                   + ([(0, 0, False, 1, "dma")] if "dma" in starts else []))
-        for c, th, resident, grp, how in configs:
-            row = {"blocks_per_layer": n, "mib_per_layer": n * 2 * int(np.prod(BLOCK)) * 2 / 2**20, "layers": layers,
-                   "start": how, "dependent": dependent, "ctas": c, "threads": th, "resident": resident, "group": grp, "compute_s": compute,
-                   "work_reps": reps}
-            try:
-                for kind in ("copy", "serial", "pipelined"):
-                    row[f"{kind}_s"] = timed(make(kind, c, th, resident, grp, how))
-                if timeline and implementation == "cuda":
-                    row["timeline"] = _timeline(lambda: timed(make("pipelined", c, th, resident, grp, how, True)))
-                row["copy_gb_per_s"] = layers * n * 2 * int(np.prod(BLOCK)) * 2 / row["copy_s"] / 1e9
-                row["pipelined_vs_max"] = row["pipelined_s"] / max(compute, row["copy_s"])
-                row["pipelined_vs_serial"] = row["pipelined_s"] / row["serial_s"]
-            except Exception as e:  # noqa: BLE001 - record, go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            rows.append(row)
-            log(f"[pipeline] {n} blocks, {how}, {c} CTAs x {th} threads, group {grp}, resident {resident}: " +
-                (f"compute {compute * 1e3:.2f} copy {row['copy_s'] * 1e3:.2f} serial {row['serial_s'] * 1e3:.2f} "
-                 f"pipelined {row['pipelined_s'] * 1e3:.2f} ms, / max {row['pipelined_vs_max']:.2f}"
-                 if "error" not in row else row["error"]))
+        compute = timed(make("compute", 1, 256), check=False)
+        for c in ctas:
+            for th in threads:
+                row = {"blocks_per_layer": n, "mib_per_layer": n * 2 * int(np.prod(BLOCK)) * 2 / 2**20,
+                       "layers": layers, "dependent": dependent, "ctas": c, "threads": th, "compute_s": compute,
+                       "work_reps": reps}
+                try:
+                    for kind in ("copy", "serial", "pipelined"):
+                        row[f"{kind}_s"] = timed(make(kind, c, th))
+                    row["copy_gb_per_s"] = layers * n * 2 * int(np.prod(BLOCK)) * 2 / row["copy_s"] / 1e9
+                    row["pipelined_vs_max"] = row["pipelined_s"] / max(compute, row["copy_s"])
+                    row["pipelined_vs_serial"] = row["pipelined_s"] / row["serial_s"]
+                except Exception as e:  # noqa: BLE001 - record, go on
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                rows.append(row)
+                log(f"[pipeline] {n} blocks, {c} CTAs x {th} threads: " +
+                    (f"compute {compute * 1e3:.2f} copy {row['copy_s'] * 1e3:.2f} serial {row['serial_s'] * 1e3:.2f} "
+                     f"pipelined {row['pipelined_s'] * 1e3:.2f} ms, / max {row['pipelined_vs_max']:.2f}"
+                     if "error" not in row else row["error"]))
     return {"rows": rows, "note": "times of all layers, one call (layers + 1 work layers, layers copies); compute: "
                                   "the work alone (the same cache reads)"}
 
 
-def _timeline(run) -> dict:
-    """One pipelined run's timeline (`copy_engine.trace`): when each copy ran on its lane and
-    each work layer on XLA's stream (ms), and how much of the work time some copy ran beside."""
-    from sparda_jax.kernels.copy_engine import read_trace, trace
-
-    trace(True)
-    try:
-        run()  # its warm-up call and timed calls all record: the summary keeps the last call's events
-        events = read_trace()
-    finally:
-        trace(False)
-    return timeline_summary(events)
-
-
-def timeline_summary(events) -> dict:
-    """events [(label, ms)] in recording order, of one or more pipelined calls -> the last call's
-    copies (lane, begin, end), work layers (begin, end), in ms from its first work mark."""
-    last = max(i for i, (lab, _) in enumerate(events) if lab == "mark0")
-    first = last
-    while first > 0 and events[first - 1][0].endswith("+"):  # the first copy's start comes before mark0
-        first -= 1
-    t0 = events[last][1]
-    ev = [(lab, round(t - t0, 4)) for lab, t in events[first:]]
-    open_, copies = {}, []
-    for lab, t in ev:
-        if lab.startswith("copy"):
-            if lab.endswith("+"):
-                open_[lab[:-1]] = t
-            elif lab[:-1] in open_:
-                copies.append((lab[:-1], open_.pop(lab[:-1]), t))
-    marks = {int(lab[4:]): t for lab, t in ev if lab.startswith("mark")}
-    works = [(marks[2 * i], marks[2 * i + 1]) for i in range(len(marks) // 2) if 2 * i + 1 in marks]
-    work_ms = sum(b - a for a, b in works)
-    union = []  # the copies' intervals merged: time when at least one copy ran
-    for _, c, d in sorted(copies, key=lambda x: x[1]):
-        if union and c <= union[-1][1]:
-            union[-1][1] = max(union[-1][1], d)
-        else:
-            union.append([c, d])
-    beside = sum(max(0.0, min(b, d) - max(a, c)) for a, b in works for c, d in union)
-    return {"events": ev, "copies": [list(c) for c in copies], "work": [list(w) for w in works], "work_ms": work_ms,
-            "work_ms_with_a_copy_beside": beside, "note": "ms from the first work mark of the last call; a copy "
-            "spans its lane's events around its launch (it may wait there for the copy before it)"}
-
-
 def pipeline_table(result: dict) -> str:
-    lines = ["| blocks/layer | start | CTAs | threads | group | resident | compute ms | copy ms (GB/s) | serial ms | "
-             "pipelined ms | pipelined / max | pipelined / serial |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| blocks/layer | CTAs | threads | compute ms | copy ms (GB/s) | serial ms | pipelined ms | "
+             "pipelined / max | pipelined / serial |", "|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        head = (f"| {r['blocks_per_layer']} | {r.get('start', 'lanes')} | {r['ctas']} | {r['threads']} | "
-                f"{r.get('group', 1)} | {r['resident']} |")
+        head = f"| {r['blocks_per_layer']} | {r['ctas']} | {r['threads']} |"
         if "error" in r:
             lines.append(f"{head} error: {r['error'][:80]} |")
             continue
@@ -418,7 +342,7 @@ def _chain_jit(w, x, steps):
 
 @functools.partial(jax.jit, static_argnums=4)
 def _copy(pool, src, dst, cache, ctas):
-    return gather_blocks(pool, src, dst, cache, num_ctas=ctas, implementation="cuda")
+    return gather_blocks(pool, src, dst, cache, config=KVCopyConfig(num_ctas=ctas), implementation="cuda")
 
 
 def bench_scatter(*, pools_mib=(256, 4096), blocks: int = 64, repeats: int = 20, seed: int = 0) -> dict:
@@ -467,15 +391,14 @@ def table(result: dict) -> str:
 
 
 def overlap_table(result: dict) -> str:
-    lines = ["| work | CTAs | compute ms | copy ms | serial ms | overlapped ms | resident ms | resident / max |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| work | CTAs | compute ms | copy ms | serial ms | overlapped ms | overlapped / max |",
+             "|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "error" in r:
             lines.append(f"| {r['work']} | {r['ctas']} | error: {r['error'][:80]} |")
             continue
         lines.append(f"| {r['work']} | {r['ctas']} | {r['compute_s'] * 1e3:.3f} | {r['copy_s'] * 1e3:.3f} | "
-                     f"{r['serial_s'] * 1e3:.3f} | {r['overlapped_s'] * 1e3:.3f} | {r['overlapped_resident_s'] * 1e3:.3f} | "
-                     f"{r['overlapped_resident_vs_max']:.2f} |")
+                     f"{r['serial_s'] * 1e3:.3f} | {r['overlapped_s'] * 1e3:.3f} | {r['overlapped_vs_max']:.2f} |")
     return "\n".join(lines)
 
 

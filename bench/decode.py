@@ -56,7 +56,7 @@ from sparda_jax.infer.engine import (OFFLOAD_MODES, RESIDENT_MODES, EngineConfig
                                      selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
-from sparda_jax.kernels.copy_engine import unaliased_copies
+from sparda_jax.kernels.kv_copy import unaliased_copies
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot", "decomposition"]
 
@@ -724,7 +724,7 @@ def bench_cta(preset: str = "minicpm4.1-8b", *, context: int = 32768, batches=(1
               mode: str = "sparda", layers: int | None = 4, steps: int = 6, warmup: int = 2,
               budget_s: float | None = 90.0, check: bool = True, seed: int = 0, out=None, log=None) -> dict:
     """Decode tokens/s vs the copy kernel's CTA quota (paper Table 7); heuristic vs best."""
-    from sparda_jax.kernels.copy_engine import paper_num_ctas
+    from sparda_jax.kernels.kv_copy import paper_num_ctas
 
     log = log or _log_default
     budget = Budget(budget_s)
@@ -768,7 +768,7 @@ def bench_cta(preset: str = "minicpm4.1-8b", *, context: int = 32768, batches=(1
         log(f"[cta] B={b} CTAs={c}: {rec.get('status', '')[:60]} {rec.get('tokens_per_s', 0):.1f} tok/s "
             f"at {budget.elapsed():.0f} s")
     if copy_impl == "cuda":  # the autotuned quota (one timing sweep per copy size), beside the fixed ones
-        from sparda_jax.kernels.copy_engine import autotune_num_ctas
+        from sparda_jax.kernels.kv_copy import autotune_num_ctas
 
         sp, c_ = ctx.cfg.sparse, ctx.cfg
         for b in batches:

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import SingleDeviceSharding
 
 from sparda_jax.attention import paged_sparse_attention
 from sparda_jax.compress import CompressedKeys
@@ -41,9 +39,9 @@ from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_
     select_blocks
 from sparda_jax.runtime import warn_if_default_launch_queues
 
-from sparda_jax.kernels.copy_engine import (FFI_IMPLEMENTATIONS, autotune_num_ctas, gather_blocks,
-                                            gather_blocks_start, gather_blocks_wait, lane_ctas, memory_type,
-                                            paper_num_ctas, resolve_implementation, scatter_blocks)
+from sparda_jax.kernels.kv_copy import (FFI_IMPLEMENTATIONS, KVCopyConfig, after_start, autotune_num_ctas,
+                                        gather_blocks, gather_blocks_start, gather_blocks_wait, host_pool, join_tokens,
+                                        lane_ctas, paper_num_ctas, resolve_implementation, scatter_blocks)
 
 from .blockcache import assign_slots
 from .generate import sample_next
@@ -130,41 +128,6 @@ class OffloadState(struct.PyTreeNode):
         return self.l0.size
 
 
-def host_sharding():
-    """Where the engine's host pools go: the pinned_host memory kind where the backend has it."""
-    dev = jax.devices()[0]
-    kinds = {m.kind for m in dev.addressable_memories()}
-    return SingleDeviceSharding(dev, memory_kind="pinned_host" if "pinned_host" in kinds else None)
-
-
-def _on_cuda(dev) -> bool:
-    return dev.platform == "gpu" and "cuda" in getattr(dev.client, "platform_version", "").lower()
-
-
-def host_pool(x) -> jax.Array:
-    """x as one of the engine's host pools, in the pinned_host memory kind where the backend has
-    it. On a CUDA GPU the buffer is checked to be page-locked host memory (`memory_type`): XLA's
-    VMM allocator (forced by command-buffer update modes other than ALWAYS_UPDATE) places
-    pinned_host arrays in device memory, and the engine would then report offload numbers that
-    are not. Without nvcc the check cannot run and a warning says so."""
-    sharding = host_sharding()
-    out = jax.device_put(x, sharding)
-    if out.size == 0 or sharding.memory_kind != "pinned_host" or not _on_cuda(next(iter(sharding.device_set))):
-        return out  # an empty buffer may have no address; off CUDA there is nothing to ask
-    try:
-        where = memory_type(out)
-    except (RuntimeError, OSError) as e:  # no nvcc or no CUDA library: say so, do not stop the engine
-        warnings.warn(f"the host KV pool's placement was not checked ({e}); if XLA's VMM allocator is on "
-                      "(--xla_gpu_command_buffer_update_mode), it may be in device memory", stacklevel=2)
-        return out
-    if where != "host":
-        raise RuntimeError(
-            f"the host KV pool asked for pinned_host memory but CUDA places it in {where} memory, so the "
-            "offload would not offload. XLA's VMM allocator, which --xla_gpu_command_buffer_update_mode "
-            "other than ALWAYS_UPDATE forces (XLA_FLAGS), does this: run without that flag")
-    return out
-
-
 def _to_blocks(x, bs: int):
     """[L, B, S, K, Dh] -> [L, B, K, nb, bs, Dh]."""
     l, b, s, k, d = x.shape
@@ -249,35 +212,16 @@ def _gather_blocks(run: _Run, host: dict, layer, src, dst, cache_l: dict, *, sta
     kw = dict(block_ndim=BLOCK_NDIM, implementation=run.copy)
     if start:
         ctas = lane_ctas(run.num_ctas, caches, block_ndim=BLOCK_NDIM)
-        out = [gather_blocks_start(p, src, dst, c, num_ctas=n, lane=j, **kw)
+        out = [gather_blocks_start(p, src, dst, c, lane=j, config=KVCopyConfig(num_ctas=n), **kw)
                for j, (p, c, n) in enumerate(zip(pools, caches, ctas))]
     else:
-        out = gather_blocks(tuple(pools), src, dst, tuple(caches), num_ctas=run.num_ctas, **kw)
+        out = gather_blocks(tuple(pools), src, dst, tuple(caches), config=KVCopyConfig(num_ctas=run.num_ctas), **kw)
     return dict(zip(names, out))
 
 
 def _wait_blocks(run: _Run, cache: dict, src, dst, after) -> dict:
     """The caches of a started copy once it is complete; `after` orders the wait after it."""
     return {n: gather_blocks_wait(c, src, dst, after, implementation=run.copy) for n, c in cache.items()}
-
-
-def _after_start(started: dict, x):
-    """(x, token): x ordered after the copy starts into `started` (XLA schedules by data alone),
-    and a token that must reach a wait. The barrier holds a one-element slice of each started
-    cache, not the cache: a cache through a barrier is copied by XLA before its wait, and that
-    copy would read the buffer while the side stream writes it. The slices' reads race with the
-    copy harmlessly (their values are never used); the token keeps the barrier's outputs used,
-    since XLA drops a barrier output that nothing reads, and with it the order."""
-    marks = [jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim) for c in started.values()]
-    marks, x = jax.lax.optimization_barrier((marks, x))
-    return x, join_tokens(*marks)
-
-
-def join_tokens(*tokens) -> jax.Array:
-    """One small f32 array of every element of the (small) tokens given: a wait's `after` that
-    follows all of them. Whole tokens, never a slice of one: XLA folds a slice of a concatenation
-    to the operands it keeps, and an element dropped so is a barrier output unused."""
-    return jnp.concatenate([t.reshape(-1).astype(jnp.float32) for t in tokens if t is not None])
 
 
 def _own_slot(slots, ids, pos, bs: int):
@@ -377,7 +321,7 @@ class OffloadKV(struct.PyTreeNode):
         ids = select_blocks(plan, ctx, lin._replace(first=False), None, h, h, self._keys(self.state))[:, :, 0]
         f = self.fetch(ids, ctx.positions[:, 0], start=self.run.async_copy)
         if self.run.async_copy:
-            q, tok = _after_start(f.cache, q)
+            q, tok = after_start(f.cache, q)
             f = f.replace(token=tok)
         return f, q
 
@@ -479,7 +423,7 @@ def _flush_completed(run: _Run, state: OffloadState, pos) -> OffloadState:
     staged = tuple(jnp.stack([ly.cache[n][bi, hi, slot[i]] for i, ly in enumerate(state.layers)])
                    .reshape(l1 * b * kh, *state.host[n].shape[4:]).astype(state.host[n].dtype) for n in names)
     pools = tuple(state.host[n] for n in names)
-    out = scatter_blocks(staged, src, dst, pools, num_ctas=run.num_ctas, block_ndim=BLOCK_NDIM,
+    out = scatter_blocks(staged, src, dst, pools, config=KVCopyConfig(num_ctas=run.num_ctas), block_ndim=BLOCK_NDIM,
                          implementation=run.copy)
     return state.replace(host=dict(zip(names, out)))
 

@@ -1,1 +1,5 @@
-"""Pallas (Mosaic GPU) kernels and the CUDA copy engine; each op beside its jnp reference."""
+"""Pallas (Mosaic GPU) kernels and the KV copy op (`kv_copy`); each op beside its jnp reference."""
+
+from . import kv_copy
+
+__all__ = ["kv_copy"]

@@ -8,13 +8,6 @@ with the default queues and 9.4 ms with `CUDA_SCALE_LAUNCH_QUEUES=4x`; its host 
 and 7.0 ms (bench/results/decode_depth_graph.json, decode_depth_queue4x.json, one call).
 CUDA reads the variable when it initialises, so it has to be set before JAX first touches the
 GPU: `set_launch_queues` sets it, and refuses once JAX already runs on a GPU.
-
-CUDA's module loading. CUDA loads kernels lazily by default (since 12.2), at their first launch
-or graph capture, and a load may synchronise the context. The doorbell copies
-(`copy_start="doorbell"`) run a persistent server beside the step that spins until a ring later
-on XLA's stream: a kernel first loaded between them (our rings, which the doorbell now loads at
-its init, or a cuBLAS or XLA kernel first used by the step) waits for the server, which waits
-for the ring. `set_eager_module_loading` sets CUDA_MODULE_LOADING=EAGER, under the same rule.
 """
 
 from __future__ import annotations
@@ -22,13 +15,11 @@ from __future__ import annotations
 import os
 import warnings
 
-__all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "MODULE_LOADING", "set_launch_queues",
-           "set_eager_module_loading", "lazy_module_loading", "warn_if_default_launch_queues"]
+__all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "set_launch_queues", "warn_if_default_launch_queues"]
 
 LAUNCH_QUEUES = "CUDA_SCALE_LAUNCH_QUEUES"
 # the multipliers CUDA accepts for the variable
 LAUNCH_QUEUE_SCALES = ("0.25x", "0.5x", "2x", "4x")
-MODULE_LOADING = "CUDA_MODULE_LOADING"
 _warned = False
 
 
@@ -70,13 +61,6 @@ def set_launch_queues(scale: str = "4x", *, override: bool = False) -> str:
     return _set_before_cuda(LAUNCH_QUEUES, scale, override=override, setter="set_launch_queues")
 
 
-def set_eager_module_loading() -> str:
-    """Have CUDA load every kernel of a module when the module loads (CUDA_MODULE_LOADING=EAGER),
-    before JAX's first GPU use. A value already in the environment wins. Returns the value in
-    effect. Raises RuntimeError when JAX already runs on a GPU and the value would change."""
-    return _set_before_cuda(MODULE_LOADING, "EAGER", setter="set_eager_module_loading")
-
-
 def _set_before_cuda(name: str, value: str, *, override: bool = False, setter: str) -> str:
     """Set a variable CUDA reads once, when it starts: a value already in the environment wins
     unless `override`; refused (RuntimeError) once JAX runs on a GPU and the value would change,
@@ -89,11 +73,6 @@ def _set_before_cuda(name: str, value: str, *, override: bool = False, setter: s
                            f"starts): call {setter}() first, or export {name}={value}")
     os.environ[name] = value
     return value
-
-
-def lazy_module_loading() -> bool:
-    """Whether CUDA in this process loads kernels lazily (its default unless EAGER is set)."""
-    return os.environ.get(MODULE_LOADING, "LAZY").upper() != "EAGER"
 
 
 def warn_if_default_launch_queues(n_layers: int) -> None:

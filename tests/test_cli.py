@@ -110,5 +110,3 @@ def test_a_deep_gpu_decode_warns_once_about_default_launch_queues(monkeypatch):
         runtime.warn_if_default_launch_queues(32)
         runtime.warn_if_default_launch_queues(32)  # once per process
     assert len(w) == 1 and "CUDA_SCALE_LAUNCH_QUEUES=4x" in str(w[0].message)
-
-

@@ -146,36 +146,6 @@ def test_engine_step_on_per_layer_weights_slices_none(setup):
                            EngineConfig("sparda"), forecast=forecast)
 
 
-def test_host_pool_refuses_a_pinned_host_array_that_cuda_places_elsewhere(monkeypatch):
-    """host_pool checks on a CUDA GPU that the pinned_host pool is page-locked host memory: XLA's VMM
-    allocator put such arrays in device memory on the H200, and the engine would then report offload
-    numbers that are not. The CUDA query is replaced here; the GPU test of it is in test_copy_engine."""
-    from sparda_jax.infer import engine
-
-    x = jax.random.normal(jax.random.key(2), (8, 64), jnp.float32)
-    seen = []
-    monkeypatch.setattr(engine, "_on_cuda", lambda dev: True)
-    monkeypatch.setattr(engine, "memory_type", lambda a: seen.append(a.sharding.memory_kind) or "device")
-    with pytest.raises(RuntimeError, match="places it in device memory"):
-        engine.host_pool(x)
-    assert seen == ["pinned_host"]
-    monkeypatch.setattr(engine, "memory_type", lambda a: "host")
-    out = engine.host_pool(x)
-    assert out.sharding.memory_kind == "pinned_host"
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
-    def no_nvcc(a):
-        raise RuntimeError("nvcc not found")
-
-    monkeypatch.setattr(engine, "memory_type", no_nvcc)  # cannot ask: a warning, not a stop
-    with pytest.warns(UserWarning, match="placement was not checked"):
-        engine.host_pool(x)
-    monkeypatch.setattr(engine, "memory_type", lambda a: pytest.fail("queried an empty pool"))
-    assert engine.host_pool(x[:0]).size == 0  # no buffer address to ask about (a 1-layer model's pool)
-    monkeypatch.setattr(engine, "_on_cuda", lambda dev: False)  # CPU: nothing to ask CUDA
-    monkeypatch.setattr(engine, "memory_type", lambda a: pytest.fail("queried off CUDA"))
-    engine.host_pool(x)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["sparse", "sparda"])
 def test_cuda_copy_engine_equals_reference_copies(setup, mode):
@@ -193,7 +163,7 @@ def test_cuda_copy_calls_update_in_place(setup, mode):
     """Inside the engine's jit on the GPU every copy call gets its cache as its output buffer
     (input_output_aliases kept): a call that got two buffers copies the whole cache on XLA's
     stream first, a cost in every layer of every step (the CPU twin's test says 0 there)."""
-    from sparda_jax.kernels.copy_engine import unaliased_copies
+    from sparda_jax.kernels.kv_copy import unaliased_copies
 
     unaliased_copies("cuda", reset=True)
     _run(setup, mode, copy_impl="cuda", steps=20)
@@ -210,7 +180,7 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
     """The CUDA path's custom calls run by their CPU twin: what XLA does to the start/wait pairs
     inside the engine's jit is checked here, in CI. Every start's buffer must reach its own wait
     (none left in flight after a step), and no call is handed a copy of its cache."""
-    from sparda_jax.kernels.copy_engine import host_copies_in_flight, unaliased_copies
+    from sparda_jax.kernels.kv_copy import host_copies_in_flight, unaliased_copies
 
     unaliased_copies("host_ffi", reset=True)
     ffi, c1, s1 = _run(setup, mode, copy_impl="host_ffi", steps=30)
@@ -228,7 +198,7 @@ def test_host_ffi_prefetch_with_two_layers_in_bf16():
     Before the engine stopped passing started caches through an optimization barrier, XLA
     copied them ahead of their waits and this raised "wait without start"."""
     from sparda_jax import SparseConfig
-    from sparda_jax.kernels.copy_engine import host_copies_in_flight
+    from sparda_jax.kernels.kv_copy import host_copies_in_flight
 
     from engine_runs import sparda_bf16_decode
 
@@ -301,7 +271,7 @@ def test_decode_steps_in_one_program_equal_the_steps_called_one_by_one(setup, mo
     calls' CPU twin every start's buffer reaches its own wait inside its iteration, and no call
     is handed a copy of its cache; on the GPU the CUDA calls keep their aliasing in the loop too."""
     from sparda_jax.infer.engine import engine_decode_steps
-    from sparda_jax.kernels.copy_engine import host_copies_in_flight, unaliased_copies
+    from sparda_jax.kernels.kv_copy import host_copies_in_flight, unaliased_copies
 
     params, forecast, ig = setup
     b, t0, n = 2, 70, 12
@@ -428,7 +398,7 @@ def test_generation_in_device_calls_equals_the_one_step_loop(setup):
 
 
 def test_lane_ctas_split_the_quota_by_bytes():
-    from sparda_jax.kernels.copy_engine import lane_ctas
+    from sparda_jax.kernels.kv_copy import lane_ctas
 
     k = jnp.zeros((4, 64, 128), jnp.bfloat16)  # 16 KB blocks
     cis = jnp.zeros((4, 64, 1), jnp.float32)   # 256 B

@@ -1,10 +1,10 @@
-// sparda-jax copy engine: the argument rules every copy obeys, shared by the CUDA handlers
+// sparda-jax KV copy: the argument rules every copy obeys, shared by the CUDA handlers
 // (gather_blocks.cu) and their CPU twin (gather_blocks_host.cc) so the two cannot drift apart.
 //
 // One copy moves whole blocks by task lists src/dst of equal length, for up to kMaxPayloads
 // payloads at once (a layer's K, V and NOSA's cis): task t moves block src[t] of every payload's
 // `from` buffer to block dst[t] of its `to` buffer, in one launch (the synchronous gather and the
-// write-back; asynchronous starts take one payload each, on lanes of their own: gather_blocks.cu).
+// write-back; an asynchronous start takes one payload, on a lane of its own: gather_blocks.cu).
 // The payloads of one copy have the same number of blocks on each side, of their own byte
 // sizes. A task with an index out of range on either side is skipped by both implementations.
 //
@@ -28,8 +28,7 @@ auto with_copy_attrs(Binding leading) {
   return std::move(leading)  // a binding grows by rvalue only
       .template Attr<int32_t>("num_ctas")
       .template Attr<xla::ffi::Span<const int64_t>>("block_bytes")
-      .template Attr<int32_t>("threads")
-      .template Attr<int32_t>("group");
+      .template Attr<int32_t>("threads");
 }
 
 inline xla::ffi::Error check_copy_args(size_t from_bytes, size_t to_bytes, size_t n_src, size_t n_dst,
@@ -62,12 +61,9 @@ inline xla::ffi::Error check_lane(int32_t lane) {
   return xla::ffi::Error::Success();
 }
 
-// Tasks a copy CTA moves as one range (the CUDA kernel's deeper variant for group > 1).
-constexpr int kMaxGroup = 8;
-inline xla::ffi::Error check_group(int32_t group) {
-  if (group < 1 || group > kMaxGroup) {
-    return xla::ffi::Error::InvalidArgument("group must be in 1.." + std::to_string(kMaxGroup));
-  }
+// An asynchronous start moves one payload (each on its own lane), and its wait takes that cache.
+inline xla::ffi::Error check_one_payload(size_t n) {
+  if (n != 1) return xla::ffi::Error::InvalidArgument("a start (and its wait) takes one payload; start each on its lane");
   return xla::ffi::Error::Success();
 }
 

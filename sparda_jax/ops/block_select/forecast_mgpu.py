@@ -152,13 +152,8 @@ def topk_select_rows(scores, k, *, interpret=None):
     per thread at most (NBp = 2048: 8 rows; 320: 32 rows; 64: 256 rows), so the grid has R / RT CTAs and rows are
     not padded to 2048. Value bisection, id bisection for ties, masked-min compaction; every
     step works on all RT rows at once and each reduction is row-wise inside one warp
-    (see `_rows_layout`).
-
-    Expected cost per row: 32 + ceil(log2 NBp) + 1 + k row reductions (k = 96, NBp = 2048:
-    144), each ~2-4 ops per score (NBp/32 = 64 per lane) and 5 shuffles, none crossing warps;
-    about 144 * 2048 * 3 ~ 0.9 M lane-ops per row, so instruction bound: ~30 ms for the 1M rows
-    of prefill 128K x batch 4 on an H200 at full issue rate (an estimate, not measured). Bytes:
-    NBp*4 read + k*4 written per row. The k compaction steps are ~2/3 of the work.
+    (see `_rows_layout`). Per row: 32 + ceil(log2 NBp) + 1 + k row reductions, so the kernel is
+    instruction bound; it reads NBp*4 and writes k*4 bytes a row.
     """
     R, nbp = scores.shape
     rt = rows_per_cta(nbp)

@@ -206,7 +206,7 @@ class DecodeConfig:
     """
 
     n_split: int | None = None
-    stages: int = 2
+    stages: int = DEFAULT_STAGES
 
     def __post_init__(self):
         if self.n_split is not None and (not isinstance(self.n_split, int) or self.n_split < 1):

@@ -1,9 +1,11 @@
 """`sparda bench attention`: block-sparse attention vs cuDNN dense attention (paper Fig. 3, blue).
 
 Prefill (batch 4, causal, every query of the sequence):
-  mosaic_gpu  sparse_attention(..., implementation="mosaic_gpu"), Tq = T (kernels/sparse_prefill.py,
-              "ws" variant; the union metadata is built inside the timed call, as per layer)
-  mosaic_gpu@simple  the same kernel's 1-warpgroup "simple" variant (half the tile, smaller unions)
+  mosaic_gpu  sparse_attention(..., implementation="mosaic_gpu"), Tq = T (the prefill kernel with
+              its default `PrefillConfig`, the 1-warpgroup "simple" variant; the union metadata is
+              built inside the timed call, as per layer)
+  mosaic_gpu@simple, mosaic_gpu@ws  the same with `PrefillConfig(variant=...)` named ("ws": 2 compute
+              warpgroups + a TMA warpgroup, twice the tile)
   xla         the jnp reference, timed on an evenly spread query slice and scaled (it does the
               same work for every query)
   cudnn       jax.nn.dot_product_attention(is_causal=True, implementation="cudnn"), full T
@@ -11,10 +13,9 @@ Prefill (batch 4, causal, every query of the sequence):
   -> effective TFLOP/s on the keys each query really attends (4 * D * H * sum of attended keys)
      over cuDNN's TFLOP/s with the standard causal count (4 * B * H * D * T^2 / 2).
 Decode (batch >= 16, one query per sequence at the end of the context):
-  mosaic_gpu  the Mosaic GPU decode kernel (kernels/sparse_decode.py, its default ring of K/V
-              buffers and split count); xla the reference;
-  mosaic_gpu@s<S>n<N>  the same kernel with S K/V buffers (S - 1 blocks in flight) and N KV splits
-                 (the default is s2n4; mosaic_gpu@s2 is s2n4, kept for old results)
+  mosaic_gpu  the Mosaic GPU decode kernel with its default `DecodeConfig`; xla the reference;
+  mosaic_gpu@s<S>n<N>  the same with `DecodeConfig(stages=S, n_split=N)`: S K/V buffers (S - 1
+                 blocks in flight) and N KV splits (mosaic_gpu@s2 is s2n4, kept for old results)
   cudnn       dense decode through key_value_seq_lengths
   -> bytes of selected K/V read per second over the HBM bandwidth of a large copy (read + write).
 Every variant is checked against the f32 reference before it is timed; a failed check keeps its
@@ -42,6 +43,8 @@ from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, measure, q
 from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
+from sparda_jax.ops.sparse_attention.decode import DecodeConfig
+from sparda_jax.ops.sparse_attention.prefill import PrefillConfig
 from sparda_jax.metrics import tile_blowup, tile_union
 from sparda_jax.select import select_blocks_forecast
 
@@ -49,7 +52,7 @@ __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plo
 
 # The kernels under test run last in each case: a fault that kills the process then loses only
 # them, and the JSON snapshot written after every variant keeps the rest.
-PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple")
+PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu@ws", "mosaic_gpu")
 DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@split", "mosaic_gpu@s2n4", "mosaic_gpu@s2n8",
                    "mosaic_gpu@s2n16", "mosaic_gpu@s3n4")
 # "mosaic_gpu@split": the default decode kernel's pass over the blocks alone, without the XLA combine
@@ -59,18 +62,20 @@ DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@split", "mosaic_gpu
 DECODE_S2 = dict(stages=2, n_split=4)
 
 
-def _decode_choice(name: str) -> dict | None:
-    """"mosaic_gpu@s<S>n<N>" -> dict(stages=S, n_split=N); "mosaic_gpu@s2" (old results) -> s2n4."""
+def _decode_choice(name: str) -> DecodeConfig | None:
+    """"mosaic_gpu@s<S>n<N>" -> DecodeConfig(stages=S, n_split=N); "mosaic_gpu@s2" (old results) -> s2n4."""
     if name == "mosaic_gpu@s2":
-        return dict(DECODE_S2)
+        return DecodeConfig(**DECODE_S2)
     m = re.fullmatch(r"mosaic_gpu@s(\d+)n(\d+)", name)
-    return None if m is None else dict(stages=int(m[1]), n_split=int(m[2]))
+    return None if m is None else DecodeConfig(stages=int(m[1]), n_split=int(m[2]))
 
 
-SPARSE = ("mosaic_gpu", "mosaic_gpu@simple", "xla")
-# Query tokens per tile of the prefill kernel: "ws" = 2 compute warpgroups x 64 rows, "simple" = 1;
-# a tile of 64 // G tokens x G heads per warpgroup (kernels/sparse_prefill.py tile_tokens_for).
-KERNEL_TILE_ROWS = {"mosaic_gpu": 128, "mosaic_gpu@simple": 64, "xla": 128}
+# the prefill kernel's tuning per variant name (None: its default)
+PREFILL_CONFIGS = {"mosaic_gpu": None, "mosaic_gpu@simple": PrefillConfig("simple"), "mosaic_gpu@ws": PrefillConfig("ws")}
+SPARSE = ("mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@ws", "xla")
+# Query rows per tile of the prefill kernel: "ws" = 2 compute warpgroups x 64 rows, "simple" = 1;
+# a tile of 64 // G tokens x G heads per warpgroup (prefill.tile_tokens_for).
+KERNEL_TILE_ROWS = {"mosaic_gpu": 64, "mosaic_gpu@simple": 64, "mosaic_gpu@ws": 128, "xla": 128}
 INTERPRETED = ("mosaic_gpu_interpret",)  # the kernels run by the CPU interpreter: harness tests only
 # bf16 rounding of P and of the output is ~2^-8 relative per element; the Frobenius error of a
 # correct bf16 kernel stays near 4e-3, a wrong block or mask gives O(1).
@@ -205,12 +210,9 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
         try:
             if name in SPARSE:
                 r = ref("sparse")
-                if name == "mosaic_gpu@simple":  # the 1-warpgroup variant is not behind sparse_attention
-                    from sparda_jax.kernels.sparse_prefill import sparse_prefill_attention
-
-                    fn = jax.jit(functools.partial(sparse_prefill_attention, variant="simple"))
-                else:
-                    fn = jax.jit(functools.partial(sparse_attention, block_size=bs, implementation=name))
+                impl = "xla" if name == "xla" else "mosaic_gpu"
+                fn = jax.jit(functools.partial(sparse_attention, block_size=bs, implementation=impl,
+                                               config=PREFILL_CONFIGS.get(name)))
                 if full:
                     call = lambda fn=fn: fn(q, k, v, ids, pos)  # noqa: E731
                 else:
@@ -353,15 +355,11 @@ def decode_case(t: int, b: int, shape: dict, ceil: dict, *, variants=DECODE_VARI
             looped = _looped(functools.partial(sparse_attention, block_size=bs, implementation=name), False, loop)
             nbytes, rr = bytes_sel, r
         elif _decode_choice(name) is not None:
-            from sparda_jax.kernels.sparse_decode import sparse_decode_attention
-
-            def chosen(q1, k1, v1, ids1, pos1, kw=_decode_choice(name)):
-                return sparse_decode_attention(q1[:, 0], k1, v1, ids1[:, :, 0].astype(jnp.int32),
-                                               pos1[:, 0].astype(jnp.int32), **kw)[:, None]
-            looped = _looped(chosen, False, loop)
+            looped = _looped(functools.partial(sparse_attention, block_size=bs, implementation="mosaic_gpu",
+                                               config=_decode_choice(name)), False, loop)
             nbytes, rr = bytes_sel, r
         elif name == "mosaic_gpu@split":
-            from sparda_jax.kernels.sparse_decode import combine_splits, sparse_decode_split_pass
+            from sparda_jax.ops.sparse_attention.decode import combine_splits, sparse_decode_split_pass
 
             def split(q1, k1, v1, ids1, pos1):
                 return sparse_decode_split_pass(q1[:, 0], k1, v1, ids1[:, :, 0].astype(jnp.int32),

@@ -3,16 +3,16 @@
 All KV stays on the device during prefill, as the paper does (the offload engine moves it to
 the host afterwards, outside this measurement), so this measures projections, FFN, selection and
 attention. Each system is `sparda_jax.modes.forward` with explicit implementations:
-  dense_resident  mode "dense",  dense_impl "cudnn" (jax.nn.dot_product_attention, causal)
-  sparse          mode "sparse", sparse_impl "mosaic_gpu" (the Mosaic block-sparse prefill kernel),
-                  select_impl "mosaic_gpu" (the Mosaic InfLLM-V2 selector, exact LSE)
-  sparda          mode "sparda", sparse_impl and select_impl "mosaic_gpu" (the Mosaic Forecast selector)
-A sparse variant whose kernels fail falls back to sparse_impl and select_impl "xla", labelled. Called with return_kv=True, return_logits=False: the K/V every prefill must produce
+  dense_resident  mode "dense",  dense_attention "cudnn" (jax.nn.dot_product_attention, causal)
+  sparse          mode "sparse", sparse_attention "mosaic_gpu" (the Mosaic block-sparse prefill kernel),
+                  select "mosaic_gpu" (the Mosaic InfLLM-V2 selector, exact LSE)
+  sparda          mode "sparda", sparse_attention and select "mosaic_gpu" (the Mosaic Forecast selector)
+(fields of `Implementations`). A sparse variant whose kernels fail falls back to "xla", labelled. Called with return_kv=True, return_logits=False: the K/V every prefill must produce
 are the output, and the LM head over all T tokens (f32 [B, T, vocab]: 154 GB at 4 x 128K) is not
 computed; the last token's head is negligible.
 
 Check before timing, per system: the same call at a short length (batch 1) against the XLA
-reference implementations (dense_impl / sparse_impl "xla"): relative error of the last layer's
+reference implementations ("xla"): relative error of the last layer's
 K and V, which depend on every earlier layer's attention.
 
 Inputs: random tokens by default. Every position's query is then independent, so each token
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from sparda_jax.bench.engine_state import (BF16, bench_config, correlated_embedding, kwargs_for, make_extras,
                                            make_params)
 from sparda_jax.bench.timing import plot_and_print, Budget, measure, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
+from sparda_jax.config import Implementations
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import selector_of
 from sparda_jax.metrics import tile_blowup, tile_union
@@ -86,10 +87,10 @@ def _inputs_text(rho: float, vocab: int) -> str:
 
 def _impls(system: str, gpu: bool) -> dict:
     if selector_of(system) == "dense":
-        return {"dense_impl": "cudnn" if gpu else "xla"}
+        return {"dense_attention": "cudnn" if gpu else "xla"}
     # the Mosaic selectors are the modes' default for prefill on Hopper; named here so the JSON
     # says which ran
-    return {"sparse_impl": "mosaic_gpu" if gpu else "xla", "select_impl": "mosaic_gpu" if gpu else "xla"}
+    return {"sparse_attention": "mosaic_gpu" if gpu else "xla", "select": "mosaic_gpu" if gpu else "xla"}
 
 
 def _call(params, cfg, extras, system, tokens, impls, sub_batch: int | None = None):
@@ -98,7 +99,7 @@ def _call(params, cfg, extras, system, tokens, impls, sub_batch: int | None = No
     not fit; each 128K sequence alone keeps the GPU busy, so tokens/s is comparable."""
     kw = kwargs_for(extras, system)
     run = lambda t: forward(params, t, cfg, mode=selector_of(system), dtype=BF16, return_kv=True,
-                            return_logits=False, **impls, **kw)[1]
+                            return_logits=False, implementations=Implementations(**impls), **kw)[1]
     b = tokens.shape[0]
     if sub_batch is None or sub_batch >= b:
         return run(tokens)
@@ -126,7 +127,7 @@ def _union(params, cfg, extras, system, impls, t: int, seed: int, rho: float) ->
         return {"T": t, "status": f"not measured: T < dense_len {cfg.sparse.dense_len} (dense attention)"}
     tok = _tokens(jax.random.key(seed + 7), 1, t, cfg.vocab_size, rho)
     _, aux = forward(params, tok, cfg, mode=selector_of(system), dtype=BF16, return_logits=False,
-                     collect_selection=True, **impls, **kwargs_for(extras, system))
+                     collect_selection=True, implementations=Implementations(**impls), **kwargs_for(extras, system))
     ids = aux["ids"]  # [L, B, K, T, topk]
     del aux
     last = ids[-1]
@@ -166,11 +167,11 @@ def bench_prefill(preset: str = "minicpm4.1-8b", *, lengths=(131072, 65536, 3276
                     "repeats": repeats, "budget_s": budget_s, "dtype": "bfloat16",
                     "weights": "random (init_params, std 0.02), bf16; Forecast random (untrained), bf16",
                     "implementations": {s: _impls(s, gpu) for s in systems},
-                    "selection": "sparda_jax.select via modes with select_impl (see implementations): "
+                    "selection": "sparda_jax.select via modes with Implementations.select (see implementations): "
                                  "select_blocks_infllmv2 (exact LSE) for Sparse, select_blocks_forecast for SparDA",
                     "kv_placement": "all KV on the device during prefill (as the paper); no host offload timed",
                     "output": "forward(return_kv=True, return_logits=False): every layer's K/V",
-                    "check": f"same call at a short length, batch 1, vs dense_impl/sparse_impl 'xla': rel err of the "
+                    "check": f"same call at a short length, batch 1, vs the 'xla' implementations': rel err of the "
                              f"last layer's K and V <= {REL_BOUND}",
                     "inputs": _inputs_text(rho, cfg.vocab_size), "input_correlation": rho,
                     "selection_union": f"per sparse row: forward(collect_selection=True) with the row's inputs "
@@ -200,8 +201,8 @@ def bench_prefill(preset: str = "minicpm4.1-8b", *, lengths=(131072, 65536, 3276
                 continue
             impls = _impls(system, gpu)
             tried = [impls]
-            if "sparse_impl" in impls and impls["sparse_impl"] != "xla":
-                tried.append({"sparse_impl": "xla", "select_impl": "xla"})
+            if "sparse_attention" in impls and impls["sparse_attention"] != "xla":
+                tried.append({"sparse_attention": "xla", "select": "xla"})
             for impls in tried:
                 rec = {"system": LABELS.get(system, system), "mode": system, "T": t, "batch": batch,
                        "implementation": impls, "fallback": impls is not tried[0]}
@@ -231,7 +232,7 @@ def bench_prefill(preset: str = "minicpm4.1-8b", *, lengths=(131072, 65536, 3276
                     rec["seconds_scaled"] = rec["seconds"] * scale
                     rec["tokens_per_s"] = batch * t / rec["seconds_scaled"]
                     rec["tokens_per_s_timed_layers"] = batch * t / rec["seconds"]
-                if "seconds" in rec and "sparse_impl" in impls:
+                if "seconds" in rec and "sparse_attention" in impls:
                     # after the timing: a failure here costs the row its union, not its time
                     t_u = t if union_length is None else min(t, union_length)
                     ukey = key + (t_u,)

@@ -5,16 +5,11 @@ sequence), each beside the sparse attention time of the same layer, measured in 
 Variants (each CHECKED against the jnp selector in f32 at highest matmul precision before it is
 timed: fraction of identical ids on a slice of rows; a failed check keeps its time, flagged, and
 is left out of "best"):
-  forecast_xla     sparda_jax.select.select_blocks_forecast
-  forecast_mosaic  kernels/forecast_select.py  forecast_select
-  infllmv2_xla     sparda_jax.select.select_blocks_infllmv2 (exact LSE)
-  infllmv2_mosaic  kernels/infllmv2_select.py  infllmv2_select
-  "<mosaic variant>@<impl>" passes topk_impl=<impl> ("rows" when absent; "bisect" also runs by default)
-  "<xla variant>@mosaic_topk"  the XLA selector with the Mosaic top-k (topk_implementation="mosaic_gpu")
-                   in place of lax.top_k and the ids' sort: decode's two sorts took ~25 us of a
-                   285 us layer on the H200 (bench/results/layer_breakdown_2e96975.json)
-  "<xla variant>@count_topk"   the same with the top-k by counting in XLA (topk_implementation="xla_count")
-Kernels are imported lazily: one that is missing or fails to compile records why.
+  forecast_xla     select_blocks_forecast(..., implementation="xla")
+  forecast_mosaic  select_blocks_forecast(..., implementation="mosaic_gpu")
+  infllmv2_xla     select_blocks_infllmv2(..., implementation="xla") (exact LSE)
+  infllmv2_mosaic  select_blocks_infllmv2(..., implementation="mosaic_gpu")
+A backend that cannot run here (no Hopper GPU) or fails to compile records why.
 
 Prefill: every variant runs on the same query slice (runs of 512 consecutive queries spread
 evenly over the sequence) and is scaled by T / timed_queries to a per-layer time. Decode: `steps`
@@ -42,9 +37,14 @@ from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
 __all__ = ["bench_select", "selector", "id_check", "plot", "table"]
 
 # kernels under test last: a fault that kills the process loses only them (JSON snapshots)
-# (`@count_topk` runs by name only: it lost to lax.top_k, bench/results/select_decode_count.json)
-VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_xla@mosaic_topk", "infllmv2_xla@mosaic_topk",
-            "forecast_mosaic", "forecast_mosaic@bisect", "infllmv2_mosaic", "infllmv2_mosaic@bisect")
+VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_mosaic", "infllmv2_mosaic")
+# variant name -> (family, selector, implementation)
+_SELECTORS = {
+    "forecast_xla": ("forecast", select_blocks_forecast, "xla"),
+    "infllmv2_xla": ("infllmv2", select_blocks_infllmv2, "xla"),
+    "forecast_mosaic": ("forecast", select_blocks_forecast, "mosaic_gpu"),
+    "infllmv2_mosaic": ("infllmv2", select_blocks_infllmv2, "mosaic_gpu"),
+}
 # Reduced precision only swaps near-tied blocks at the top-k boundary (a few ids in a thousand);
 # a wrong mask or pooling keeps little more than the 34 forced blocks of 96 (agreement ~0.4).
 AGREEMENT_BOUND = 0.95
@@ -55,28 +55,12 @@ BF16 = jnp.bfloat16
 
 def selector(name: str, sparse, n_blocks: int):
     """(family, fn(x, kc, positions) -> ids) for a variant name; x is f for Forecast, q for InfLLM-V2."""
-    base, _, impl = name.partition("@")
-    # implementation="xla" explicitly: the selectors' default picks the Mosaic kernels for prefill on
-    # Hopper, which made the 38553b9 run's prefill "xla" rows time the kernels a second time
-    if base in ("forecast_xla", "infllmv2_xla"):
-        topk = {"": "xla", "mosaic_topk": "mosaic_gpu", "count_topk": "xla_count"}.get(impl)
-        if topk is None:
-            raise ValueError(f"unknown selection variant {name!r}")
-        fam, fn = (("forecast", select_blocks_forecast) if base == "forecast_xla"
-                   else ("infllmv2", select_blocks_infllmv2))
-        return fam, functools.partial(fn, sparse=sparse, n_blocks=n_blocks, implementation="xla",
-                                      topk_implementation=topk)
-    if base == "forecast_mosaic":
-        from sparda_jax.kernels.forecast_select import forecast_select
-
-        kw = {"topk_impl": impl} if impl else {}
-        return "forecast", functools.partial(forecast_select, sparse=sparse, n_blocks=n_blocks, **kw)
-    if base == "infllmv2_mosaic":
-        from sparda_jax.kernels.infllmv2_select import infllmv2_select
-
-        kw = {"topk_impl": impl} if impl else {}
-        return "infllmv2", functools.partial(infllmv2_select, sparse=sparse, n_blocks=n_blocks, **kw)
-    raise ValueError(f"unknown selection variant {name!r}")
+    # the implementation is always named: the selectors' default picks the Mosaic kernels for
+    # prefill on Hopper, so an "xla" row would time the kernels a second time
+    if name not in _SELECTORS:
+        raise ValueError(f"unknown selection variant {name!r}; one of {tuple(_SELECTORS)}")
+    fam, fn, impl = _SELECTORS[name]
+    return fam, functools.partial(fn, sparse=sparse, n_blocks=n_blocks, implementation=impl)
 
 
 def id_check(ids, ref, bound: float = AGREEMENT_BOUND) -> dict:
@@ -307,7 +291,7 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
 
     for t in lengths if prefill else ():
         run("prefill", t, batch, prefill_select_case,
-            lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu", "mosaic_gpu@simple"),
+            lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu@ws", "mosaic_gpu"),
                                       timed_queries=attention_timed_queries, **attn_kw),
             timed_queries=timed_queries)
     for t in lengths if decode else ():

@@ -62,7 +62,7 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
 
     from sparda_jax.bench.attention import bench_attention, plot, table
 
-    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@s2",
+    r = bench_attention("tiny", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@ws", "mosaic_gpu@s2",
                                           "mosaic_gpu@split"),
                         timed_queries=256,
                         **_tiny_kw(tmp_path, "attention"))
@@ -76,6 +76,7 @@ def test_attention_bench_smoke_on_cpu(tmp_path):
     assert p["best_sparse"] == "xla" and p["best_dense"] == "dense_xla" and p["ratio_sparse_over_dense_tflops"] > 0
     assert 4 <= p["union_mean_tile8"] <= 8 * 4 and 0 < p["density_vs_dense_causal"] < 1
     assert p["variants"]["mosaic_gpu"]["status"].startswith("unavailable")  # D=16 / CPU: said, not fatal
+    assert p["variants"]["mosaic_gpu@ws"]["status"].startswith("unavailable")
     dx = d["variants"]["xla"]
     assert dx["status"] == "ok" and dx["check"]["passed"] and dx["gb_per_s"] > 0 and d["steps"] == 2
     assert dx["bytes_per_step"] == d["bytes_selected_per_step"] > 0
@@ -352,22 +353,23 @@ def test_decode_plot_by_traffic_where_a_mode_ran_several_miss_rates(tmp_path):
     assert png is None or pathlib.Path(png).stat().st_size > 0  # None: no matplotlib
 
 
-def test_select_bench_decode_only_with_the_topk_kernel_variant(tmp_path):
+def test_select_bench_decode_only_names_each_implementation(tmp_path):
     from sparda_jax.bench.select import bench_select, selector
     from sparda_jax.config import SparseConfig
 
-    r = bench_select("tiny", variants=("forecast_xla", "forecast_xla@count_topk", "forecast_xla@mosaic_topk"),
+    r = bench_select("tiny", variants=("forecast_xla", "forecast_mosaic"),
                      prefill=False, **_tiny_kw(tmp_path, "select_decode"))
     assert r["config"]["phases"] == ["decode"] and [c["phase"] for c in r["cases"]] == ["decode"]
     v = r["cases"][0]["variants"]
-    assert v["forecast_xla"]["status"] == "ok" and v["forecast_xla@count_topk"]["status"] == "ok"
+    assert v["forecast_xla"]["status"] == "ok"
     # compiled Mosaic (not interpreted) cannot run on the CPU: the row says why, the run goes on
-    assert v["forecast_xla@mosaic_topk"]["status"] != "ok" or jax.default_backend() == "gpu"
-    fam, fn = selector("infllmv2_xla@mosaic_topk", SparseConfig(), 8)
-    assert fam == "infllmv2" and fn.keywords["topk_implementation"] == "mosaic_gpu"
-    assert selector("forecast_xla@count_topk", SparseConfig(), 8)[1].keywords["topk_implementation"] == "xla_count"
-    with pytest.raises(ValueError, match="unknown selection variant"):
-        selector("forecast_xla@sort", SparseConfig(), 8)
+    assert v["forecast_mosaic"]["status"] != "ok" or jax.default_backend() == "gpu"
+    fam, fn = selector("infllmv2_mosaic", SparseConfig(), 8)
+    assert fam == "infllmv2" and fn.keywords["implementation"] == "mosaic_gpu"
+    assert selector("forecast_xla", SparseConfig(), 8)[1].keywords["implementation"] == "xla"
+    for gone in ("forecast_xla@count_topk", "forecast_xla@mosaic_topk", "forecast_mosaic@bisect"):
+        with pytest.raises(ValueError, match="unknown selection variant"):
+            selector(gone, SparseConfig(), 8)
 
 
 def test_layer_breakdown_of_a_known_trace():
@@ -602,11 +604,12 @@ def test_select_bench_xla_variants_stay_xla_where_the_default_picks_kernels(monk
     # the selectors' default picks the Mosaic kernels for bf16 prefill on Hopper; the benchmark's
     # "xla" rows must time the jnp path there, not the kernels again. With the platform check
     # forced true on this CPU, a row that followed the default would try to lower a Mosaic GPU kernel.
+    import sparda_jax.ops.block_select.api as sel_api
     import sparda_jax.select as sel
     from sparda_jax.bench.attention import model_shape
     from sparda_jax.bench.select import _kc, selector
 
-    monkeypatch.setattr(sel, "hopper_gpu", lambda: True)
+    monkeypatch.setattr(sel_api, "hopper_gpu", lambda: True)
     shape = model_shape("tiny")
     sp, kh, h, t = shape["sparse"], shape["kv_heads"], shape["heads"], 256
     d = 128  # the default's head-dim condition
@@ -616,7 +619,17 @@ def test_select_bench_xla_variants_stay_xla_where_the_default_picks_kernels(monk
     pos = jnp.arange(t, dtype=jnp.int32)[None]
     x = {"infllmv2": jax.random.normal(kq, (1, t, h, d), jnp.bfloat16),
          "forecast": jax.random.normal(kf, (1, t, kh, d), jnp.bfloat16)}
-    assert sel._select_impl(None, x["forecast"], nb) == "mosaic_gpu"  # what the default would have run
+    assert sel_api.default_order(x["forecast"])[0] == "mosaic_gpu"  # what the default tries first
+    import sparda_jax.ops.block_select.forecast_mgpu as fm
+
+    class Ran(Exception):
+        pass
+
+    def stand_in(*a, **k):
+        raise Ran
+    monkeypatch.setattr(fm, "forecast_select", stand_in)
+    with pytest.raises(Ran):  # and the default does run the kernel there
+        sel.select_blocks_forecast(x["forecast"], kc, pos, sp, n_blocks=nb)
     for name, ref in (("forecast_xla", sel.select_blocks_forecast), ("infllmv2_xla", sel.select_blocks_infllmv2)):
         fam, fn = selector(name, sp, nb)
         got = fn(x[fam], kc, pos)

@@ -9,8 +9,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_base import (BF16_MODEL, BF16_PAIR_DECODE, INTERPRET, assert_attention_close, gpu, lower_for_hopper,
+                         rel_error)
 
-from sparda_jax.kernels.sparse_decode import INTERPRET, sparse_decode_attention, sparse_decode_attention_reference
+from sparda_jax.config import ConfigError
+from sparda_jax.ops.sparse_attention.decode import (DecodeConfig, sparse_decode_attention,
+                                                    sparse_decode_attention_reference)
 
 
 def _case(seed, g, d, k_heads=2, b=2, s=512, n=6):
@@ -28,11 +32,6 @@ def _case(seed, g, d, k_heads=2, b=2, s=512, n=6):
     return q, k, v, jnp.asarray(ids), pos
 
 
-def _rel(a, ref):
-    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
-
-
 @pytest.mark.parametrize("g,d,stages", [(3, 64, 4), (16, 128, 4), (16, 128, 2), (3, 64, 3)])
 def test_interpret_matches_reference(g, d, stages):
     # n = 6 blocks over 3 splits: 2 per split, fewer than a ring of 3 or 4 can hold, and the ragged
@@ -41,21 +40,18 @@ def test_interpret_matches_reference(g, d, stages):
     f32 = lambda x: x.astype(jnp.float32)
     exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)  # the jnp path in bf16
-    out = jax.jit(functools.partial(sparse_decode_attention, n_split=3, stages=stages,
+    out = jax.jit(functools.partial(sparse_decode_attention, config=DecodeConfig(n_split=3, stages=stages),
                                     interpret=INTERPRET))(q, k, v, ids, pos)
-    assert out.shape == q.shape and out.dtype == q.dtype
-    # the kernel rounds P to bf16 before PV and its output to bf16: allow 3x the plain path's
-    # error (its output rounding alone), as FlashAttention's tests do
-    assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3), (_rel(out, exact), _rel(plain, exact))
+    assert_attention_close(out, exact, plain, q)
 
 
 def test_split_pass_then_combine_is_the_kernel():
     """The benchmark's split-pass-only variant: its outputs, combined, are the kernel's result
     (bit for bit: the same ops), and each split's partial output is normalised on its own."""
-    from sparda_jax.kernels.sparse_decode import combine_splits, sparse_decode_split_pass
+    from sparda_jax.ops.sparse_attention.decode import combine_splits, sparse_decode_split_pass
 
     q, k, v, ids, pos = _case(11, 3, 64)
-    kw = dict(n_split=3, interpret=INTERPRET)
+    kw = dict(config=DecodeConfig(n_split=3), interpret=INTERPRET)
     o, lse = jax.jit(functools.partial(sparse_decode_split_pass, **kw))(q, k, v, ids, pos)
     assert o.shape == (2, 2, 3, 3, 64) and lse.shape == (2, 2, 3, 3) and o.dtype == jnp.float32
     full = jax.jit(functools.partial(sparse_decode_attention, **kw))(q, k, v, ids, pos)
@@ -77,9 +73,9 @@ def test_ring_turns_several_times_in_interpret_mode():
     exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)
     for stages in (3, 4):
-        out = jax.jit(functools.partial(sparse_decode_attention, n_split=1, stages=stages,
+        out = jax.jit(functools.partial(sparse_decode_attention, config=DecodeConfig(n_split=1, stages=stages),
                                         interpret=INTERPRET))(q, k, v, ids, pos)
-        assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3), stages
+        assert_attention_close(out, exact, plain, q)
 
 
 @pytest.mark.parametrize("stages", [2, 4])
@@ -87,26 +83,27 @@ def test_gpu_variant_lowers_for_hopper(stages):
     """The compiled variant (P from registers, accumulator in place) through the Mosaic GPU
     lowering for sm_90, on the CPU: catches layout, TMA, SMEM and wgmma errors early."""
     q, k, v, ids, pos = _case(0, 16, 128)
-    jax.jit(functools.partial(sparse_decode_attention, stages=stages)).trace(q, k, v, ids, pos).lower(
-        lowering_platforms=("cuda",))
-    from sparda_jax.kernels.sparse_decode import paged_sparse_decode_attention
+    lower_for_hopper(functools.partial(sparse_decode_attention, config=DecodeConfig(stages=stages)), q, k, v, ids, pos)
+    from sparda_jax.ops.sparse_attention.decode import paged_sparse_decode_attention
 
     q, kp, vp, slots, ids, pos, _ = _paged(0, 16, 128)
-    jax.jit(functools.partial(paged_sparse_decode_attention, stages=stages)).trace(q, kp, vp, slots, ids, pos).lower(
-        lowering_platforms=("cuda",))
+    lower_for_hopper(functools.partial(paged_sparse_decode_attention, config=DecodeConfig(stages=stages)),
+                     q, kp, vp, slots, ids, pos)
 
 
 def test_rejects_unsupported_inputs():
     q, k, v, ids, pos = _case(0, 3, 64)
-    with pytest.raises(ValueError, match="stages must be >= 2"):
-        sparse_decode_attention(q, k, v, ids, pos, stages=1, interpret=INTERPRET)
+    with pytest.raises(ConfigError, match="DecodeConfig.stages: must be >= 2"):
+        DecodeConfig(stages=1)
+    with pytest.raises(ConfigError, match="DecodeConfig.n_split"):
+        DecodeConfig(n_split=0)
     with pytest.raises(TypeError, match="bf16"):
         sparse_decode_attention(q.astype(jnp.float32), k, v, ids, pos)
     with pytest.raises(ValueError, match="multiples of 64"):
         sparse_decode_attention(q, k[:, :500], v[:, :500], ids, pos)
 
 
-@pytest.mark.gpu
+@gpu
 @pytest.mark.parametrize("g,d,n_split,stages", [(3, 64, None, 4), (16, 128, None, 4), (16, 128, 2, 4),
                                                 (16, 128, 2, 2)])
 def test_compiled_matches_reference(g, d, n_split, stages):
@@ -116,8 +113,8 @@ def test_compiled_matches_reference(g, d, n_split, stages):
     with jax.default_matmul_precision("highest"):
         exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)
-    out = jax.jit(functools.partial(sparse_decode_attention, n_split=n_split, stages=stages))(q, k, v, ids, pos)
-    assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3)
+    out = jax.jit(functools.partial(sparse_decode_attention, config=DecodeConfig(n_split, stages)))(q, k, v, ids, pos)
+    assert_attention_close(out, exact, plain, q)
 
 
 def test_dispatch_through_sparse_attention():
@@ -126,14 +123,21 @@ def test_dispatch_through_sparse_attention():
     q, k, v, ids, pos = _case(5, 3, 64)
     got = sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], implementation="mosaic_gpu_interpret")
     ref = sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], implementation="xla")
-    assert _rel(got, ref) < 5e-3  # both bf16 outputs; the kernel also rounds P to bf16
+    assert rel_error(got, ref) < BF16_PAIR_DECODE
     with pytest.raises(NotImplementedError, match="no bias"):  # Tq > 1 goes to the prefill kernel
         sparse_attention(q[:, None], k, v, ids[:, :, None], pos[:, None], bias=jnp.ones(k.shape[:3]),
-                         implementation="mosaic_gpu")
+                         implementation="mosaic_gpu_interpret")
+    # None falls back to the reference where the kernel cannot run (here: f32, and no Hopper GPU)
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    np.testing.assert_array_equal(
+        sparse_attention(q32[:, None], k32, v32, ids[:, :, None], pos[:, None]),
+        sparse_attention(q32[:, None], k32, v32, ids[:, :, None], pos[:, None], implementation="xla"))
+    with pytest.raises(NotImplementedError, match="bf16/f16"):
+        sparse_attention(q32[:, None], k32, v32, ids[:, :, None], pos[:, None], implementation="mosaic_gpu_interpret")
 
 
 def test_default_split_count():
-    from sparda_jax.kernels.sparse_decode import default_n_split
+    from sparda_jax.ops.sparse_attention.decode import default_n_split
 
     assert default_n_split(96) == 4     # no grid given: the measured 4
     assert default_n_split(3) == 3      # never more splits than blocks
@@ -155,7 +159,7 @@ def test_two_ctas_fit_an_sm(n):
     the output staging reused the rings' SMEM the kernel needed 118808 B, and every CTA had an
     SM to itself."""
     from jax.experimental.mosaic.gpu import core as mgpu_core
-    from sparda_jax.kernels.sparse_decode import (CTAS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA,
+    from sparda_jax.ops.sparse_attention.decode import (CTAS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA,
                                                   paged_sparse_decode_attention)
 
     limit = SMEM_PER_SM // CTAS_PER_SM - SMEM_RESERVED_PER_CTA
@@ -166,14 +170,13 @@ def test_two_ctas_fit_an_sm(n):
     kv = sds((b, max(n, 8) * 64, kh, d), jnp.bfloat16)
     pool = sds((b, kh, n, 64, d), jnp.bfloat16)
     with mgpu_core.artificial_shared_memory_limit(limit):
-        jax.jit(functools.partial(sparse_decode_attention, stages=2)).trace(q, kv, kv, ids, pos).lower(
-            lowering_platforms=("cuda",))
-        jax.jit(functools.partial(paged_sparse_decode_attention, stages=2)).trace(q, pool, pool, ids, ids, pos).lower(
-            lowering_platforms=("cuda",))
+        lower_for_hopper(functools.partial(sparse_decode_attention, config=DecodeConfig(stages=2)), q, kv, kv, ids, pos)
+        lower_for_hopper(functools.partial(paged_sparse_decode_attention, config=DecodeConfig(stages=2)),
+                         q, pool, pool, ids, ids, pos)
     with pytest.raises(ValueError, match="exceeds available shared memory"):  # the check does bite
         with mgpu_core.artificial_shared_memory_limit(limit):
-            jax.jit(functools.partial(sparse_decode_attention, stages=3)).trace(q, kv, kv, ids, pos).lower(
-                lowering_platforms=("cuda",))
+            lower_for_hopper(functools.partial(sparse_decode_attention, config=DecodeConfig(stages=3)),
+                             q, kv, kv, ids, pos)
 
 
 def _paged(seed, g, d, n_slots=10):
@@ -200,7 +203,7 @@ def _paged(seed, g, d, n_slots=10):
 
 @pytest.mark.parametrize("g,d", [(3, 64), (16, 128)])
 def test_paged_interpret_matches_the_contiguous_reference(g, d):
-    from sparda_jax.kernels.sparse_decode import (paged_sparse_decode_attention,
+    from sparda_jax.ops.sparse_attention.decode import (paged_sparse_decode_attention,
                                                   paged_sparse_decode_attention_reference)
 
     q, kp, vp, slots, ids, pos, (k, v) = _paged(g + 20, g, d)
@@ -209,15 +212,15 @@ def test_paged_interpret_matches_the_contiguous_reference(g, d):
     np.testing.assert_allclose(paged_sparse_decode_attention_reference(f32(q), f32(kp), f32(vp), slots, ids, pos),
                                exact, atol=1e-5)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)
-    out = jax.jit(functools.partial(paged_sparse_decode_attention, n_split=3, interpret=INTERPRET))(q, kp, vp, slots,
-                                                                                                    ids, pos)
-    # same bound as the contiguous kernel: at most 3x the error of plain bf16 jnp attention
-    assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3)
+    out = jax.jit(functools.partial(paged_sparse_decode_attention, config=DecodeConfig(n_split=3),
+                                    interpret=INTERPRET))(q, kp, vp, slots, ids, pos)
+    # same bound as the contiguous kernel
+    assert_attention_close(out, exact, plain, q)
 
 
-@pytest.mark.gpu
+@gpu
 def test_paged_compiled_matches_reference():
-    from sparda_jax.kernels.sparse_decode import paged_sparse_decode_attention
+    from sparda_jax.ops.sparse_attention.decode import paged_sparse_decode_attention
 
     q, kp, vp, slots, ids, pos, (k, v) = _paged(7, 16, 128)
     f32 = lambda x: x.astype(jnp.float32)
@@ -225,7 +228,7 @@ def test_paged_compiled_matches_reference():
         exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
     plain = sparse_decode_attention_reference(q, k, v, ids, pos)
     out = jax.jit(paged_sparse_decode_attention)(q, kp, vp, slots, ids, pos)
-    assert _rel(out, exact) <= 3 * max(_rel(plain, exact), 1e-3)
+    assert_attention_close(out, exact, plain, q)
 
 
 def test_paged_dispatch():
@@ -234,12 +237,12 @@ def test_paged_dispatch():
     q, kp, vp, slots, ids, pos, _ = _paged(3, 3, 64)
     args = (q[:, None], kp, vp, slots[:, :, None], ids[:, :, None], pos[:, None])
     got = paged_sparse_attention(*args, implementation="mosaic_gpu_interpret")
-    assert _rel(got, paged_sparse_attention(*args, implementation="xla")) < 5e-3  # both bf16; P rounded to bf16
+    assert rel_error(got, paged_sparse_attention(*args, implementation="xla")) < BF16_PAIR_DECODE
     with pytest.raises(NotImplementedError, match="no bias"):
-        paged_sparse_attention(*args, bias_pool=jnp.ones(kp.shape[:4]), implementation="mosaic_gpu")
+        paged_sparse_attention(*args, bias_pool=jnp.ones(kp.shape[:4]), implementation="mosaic_gpu_interpret")
 
 
-@pytest.mark.gpu
+@gpu
 def test_engine_attends_through_the_paged_kernel():
     # On the CPU the interpreter cannot run inside the engine's jit (its lowering fails on the
     # interpreter's callbacks there), so the engine-level check is compiled, on the GPU.
@@ -252,4 +255,4 @@ def test_engine_attends_through_the_paged_kernel():
     # 70 steps cross block boundaries: completed blocks go to the host
     run = dict(tok_len=400, lengths=[320, 301], cache_size=448, steps=70)
     outs = {impl: sparda_bf16_decode(cfg, sparse_attention=impl, **run) for impl in ("mosaic_gpu", "xla")}
-    assert _rel(outs["mosaic_gpu"], outs["xla"]) < 2e-2  # bf16 model; the kernel rounds P to bf16
+    assert rel_error(outs["mosaic_gpu"], outs["xla"]) < BF16_MODEL

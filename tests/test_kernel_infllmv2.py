@@ -9,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from kernel_base import INTERPRET, assert_ids_equal, gpu, lower_for_hopper
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
-from sparda_jax.kernels import infllmv2_select as ik
-from sparda_jax.kernels.forecast_select import phase_kc
-from sparda_jax.select import (finalize_topk, infllmv2_chunk_scores, n_blocks_for, pool_to_blocks,
-                               select_blocks_infllmv2)
-
-INTERPRET = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams()
+from sparda_jax.ops.block_select import infllmv2_mgpu as ik
+from sparda_jax.ops.block_select.forecast_mgpu import phase_kc
+from sparda_jax.ops.block_select.reference import (finalize_topk, infllmv2_chunk_scores, n_blocks_for, pool_to_blocks,
+                                                   select_blocks_infllmv2_reference)
 
 
 def _case(seed, *, t, tq=None, kh=2, g=3, d=64, b=2, zero_keys=False):
@@ -72,19 +71,19 @@ def test_kernels_match_their_references(g, d, t, tq):
     np.testing.assert_array_equal(ref_rows, np.asarray(finalize_topk(scores, pos, sp.topk, sp)))
 
 
-@pytest.mark.parametrize("g,d,t,tq,local,topk,impl", [
-    (3, 64, 640, None, 2, 7, "rows"),
-    (16, 128, 300, 130, 1, 6, "rows"),
-    (3, 64, 400, 100, 1, 6, "bisect"),
+@pytest.mark.parametrize("g,d,t,tq,local,topk", [
+    (3, 64, 640, None, 2, 7),
+    (16, 128, 300, 130, 1, 6),
+    (3, 64, 400, 100, 1, 6),
 ])
-def test_selects_what_the_jnp_selector_selects(g, d, t, tq, local, topk, impl):
+def test_selects_what_the_jnp_selector_selects(g, d, t, tq, local, topk):
     sp = SparseConfig(local_blocks=local, topk=topk, dense_len=0)
     q, kc, pos = _case(100 + g, t=t, tq=tq, g=g, d=d)
     nb = n_blocks_for(kc.shape[1], sp)
-    ref = select_blocks_infllmv2(q, kc, pos, sp, n_blocks=nb)
+    ref = select_blocks_infllmv2_reference(q, kc, pos, sp, n_blocks=nb)
     # exact here: the scores differ from the reference by ulps only (test above) and no
     # selection boundary of these seeds sits that close to a tie
-    np.testing.assert_array_equal(_select(q, kc, pos, sp, nb, topk_impl=impl), ref)
+    assert_ids_equal(_select(q, kc, pos, sp, nb), ref)
 
 
 @pytest.mark.parametrize("local,topk,zero_keys", [
@@ -96,8 +95,8 @@ def test_edge_rows(local, topk, zero_keys):
     sp = SparseConfig(local_blocks=local, topk=topk, dense_len=0)
     q, kc, pos = _case(7, t=520, tq=150, g=3, d=64, zero_keys=zero_keys)
     nb = n_blocks_for(kc.shape[1], sp)
-    ref = select_blocks_infllmv2(q, kc, pos, sp, n_blocks=nb)
-    np.testing.assert_array_equal(_select(q, kc, pos, sp, nb), ref)
+    ref = select_blocks_infllmv2_reference(q, kc, pos, sp, n_blocks=nb)
+    assert_ids_equal(_select(q, kc, pos, sp, nb), ref)
 
 
 def test_coarse_lse_is_xla_only():
@@ -107,16 +106,14 @@ def test_coarse_lse_is_xla_only():
         ik.infllmv2_select(q, kc, pos, sp, n_blocks=n_blocks_for(kc.shape[1], sp))
 
 
-@pytest.mark.parametrize("impl", ["rows", "bisect"])
-def test_lowers_for_hopper_at_realistic_size(impl):
+def test_lowers_for_hopper_at_realistic_size():
     # MiniCPM4 geometry at 16K tokens: 32 query heads on 2 KV heads, D 128, topk 96
     sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
     t, n = 16384, (16384 - 32) // 16 + 1
     q = jax.ShapeDtypeStruct((1, t, 32, 128), jnp.bfloat16)
     kc = jax.ShapeDtypeStruct((1, n, 2, 128), jnp.bfloat16)
     pos = jax.ShapeDtypeStruct((1, t), jnp.int32)
-    fn = functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=n_blocks_for(n, sp), topk_impl=impl)
-    jax.jit(fn).trace(q, kc, pos).lower(lowering_platforms=("cuda",))
+    lower_for_hopper(functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=n_blocks_for(n, sp)), q, kc, pos)
 
 
 def _assert_same_up_to_near_ties(got, ref, scores, rtol):
@@ -133,14 +130,13 @@ def _assert_same_up_to_near_ties(got, ref, scores, rtol):
     assert len(bad[0]) <= 1e-3 * np.prod(ref.shape[:-1])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["rows", "bisect"])
-def test_compiled_matches_jnp_selector(impl):
+@gpu
+def test_compiled_matches_jnp_selector():
     sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
     q, kc, pos = _case(2, t=16384, kh=2, g=16, d=128, b=1)
     nb = n_blocks_for(kc.shape[1], sp)
-    ref = select_blocks_infllmv2(q, kc, pos, sp, n_blocks=nb)
-    got = jax.jit(functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=nb, topk_impl=impl))(q, kc, pos)
+    ref = select_blocks_infllmv2_reference(q, kc, pos, sp, n_blocks=nb)
+    got = jax.jit(functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=nb))(q, kc, pos)
     scores = jax.lax.map(lambda a: pool_to_blocks(infllmv2_chunk_scores(a[0], kc, a[1], sp), nb, sp),
                          (q.reshape(1, 128, 128, 32, 128).transpose(1, 0, 2, 3, 4), pos.reshape(1, 128, 128).transpose(1, 0, 2)))
     scores = jnp.moveaxis(scores, 0, 2).reshape(1, 2, 16384, nb)

@@ -1,5 +1,6 @@
-"""The Mosaic GPU Forecast selector (block scores + top-k without sort) against the jnp
-selector: interpret mode and the Hopper lowering on the CPU, compiled on the GPU."""
+"""The Mosaic GPU Forecast selector (block scores + top-k without sort) and the selection op's
+dispatch against the jnp selector: interpret mode and the Hopper lowering on the CPU, compiled
+on the GPU."""
 
 from __future__ import annotations
 
@@ -9,15 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import lax
+from kernel_base import INTERPRET, assert_ids_equal, gpu, lower_for_hopper
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
-from sparda_jax.kernels.forecast_select import (C256, R8, forecast_select, select_topk, topk_reference,
-                                               topk_select)
-from sparda_jax.select import n_blocks_for, select_blocks_forecast
-
-INTERPRET = jax.experimental.pallas.mosaic_gpu.InterpretGPUParams()
+from sparda_jax.ops.block_select.forecast_mgpu import forecast_select, select_topk, topk_reference
+from sparda_jax.ops.block_select.reference import n_blocks_for, select_blocks_forecast_reference
+from sparda_jax.select import select_blocks_forecast
 
 
 def _case(seed, t=640, kh=2, d=64, b=1):
@@ -28,31 +27,14 @@ def _case(seed, t=640, kh=2, d=64, b=1):
     return f, compress_keys(k, 32, 16), pos
 
 
-@pytest.mark.parametrize("d,local,impl", [(64, 1, "rows"), (128, 2, "rows"), (64, 2, "bisect")])
-def test_interpret_selects_what_the_jnp_selector_selects(d, local, impl):
+@pytest.mark.parametrize("d,local", [(64, 1), (128, 2)])
+def test_interpret_selects_what_the_jnp_selector_selects(d, local):
     sp = SparseConfig(local_blocks=local, topk=local + 5, dense_len=0)
     f, kc, pos = _case(d, d=d)
     nb = n_blocks_for(kc.shape[1], sp)
-    ref = select_blocks_forecast(f, kc, pos, sp, n_blocks=nb)
-    got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb, interpret=INTERPRET,
-                                    topk_impl=impl))(f, kc, pos)
-    np.testing.assert_array_equal(got, ref)
-
-
-def test_topk_select_edge_rows():
-    k, rows = 20, 5
-    s = np.random.default_rng(0).standard_normal((rows, R8 * C256)).astype(np.float32)
-    s[0, 15:] = -np.inf                      # fewer candidates than k: -1 padding
-    s[1, :8] = np.inf                        # forced blocks
-    s[2] = np.round(s[2] * 2) / 2            # heavy ties: lower ids first
-    s[3, :] = -np.inf                        # nothing: all -1
-    s[4, :30] = np.inf                       # more forced than k: the lowest ids
-    vals, idx = lax.top_k(jnp.asarray(s), k)
-    big = jnp.iinfo(jnp.int32).max
-    ref = jnp.sort(jnp.where(vals == -jnp.inf, big, idx), axis=-1)
-    ref = jnp.where(ref == big, -1, ref)
-    got = jax.jit(functools.partial(topk_select, k=k, interpret=INTERPRET))(jnp.asarray(s.reshape(rows, R8, C256)))
-    np.testing.assert_array_equal(got, ref)
+    ref = select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb)
+    got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb, interpret=INTERPRET))(f, kc, pos)
+    assert_ids_equal(got, ref)
 
 
 def _edge_rows(seed, rows, nb, k):
@@ -70,66 +52,69 @@ def _edge_rows(seed, rows, nb, k):
 def test_topk_rows_matches_lax_top_k(nb, k, rows):
     # (40, 48): rows shorter than k; rows not a multiple of the kernel's rows per CTA
     s = _edge_rows(nb, rows, nb, k)
-    got = jax.jit(functools.partial(select_topk, k=k, implementation="rows", interpret=INTERPRET))(s)
-    np.testing.assert_array_equal(got, topk_reference(s, k))
+    got = jax.jit(functools.partial(select_topk, k=k, interpret=INTERPRET))(s)
+    assert_ids_equal(got, topk_reference(s, k))
 
 
 def test_topk_lowers_for_hopper_at_prefill_128k():
     # batch 4 x 2 KV heads x 128K queries, 2048 blocks, topk 96: shapes only, nothing allocated
     s = jax.ShapeDtypeStruct((4 * 2 * 131072, 2048), jnp.float32)
-    for impl in ("rows", "bisect"):
-        jax.jit(functools.partial(select_topk, k=96, implementation=impl)).trace(s).lower(
-            lowering_platforms=("cuda",))
+    lower_for_hopper(functools.partial(select_topk, k=96), s)
 
 
 def test_kernels_lower_for_hopper():
     sp = SparseConfig(local_blocks=2, topk=12, dense_len=0)
     f, kc, pos = _case(1, t=1024, d=128)
     nb = n_blocks_for(kc.shape[1], sp)
-    jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb)).trace(f, kc, pos).lower(
-        lowering_platforms=("cuda",))
+    lower_for_hopper(functools.partial(forecast_select, sparse=sp, n_blocks=nb), f, kc, pos)
 
 
-@pytest.mark.gpu
+@gpu
 def test_compiled_matches_jnp_selector():
     sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
     f, kc, pos = _case(2, t=16384, d=128, b=2)
     nb = n_blocks_for(kc.shape[1], sp)
-    ref = select_blocks_forecast(f, kc, pos, sp, n_blocks=nb)
+    ref = select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb)
     got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb))(f, kc, pos)
     assert float(jnp.mean(got == ref)) > 0.999  # f32 sums in another order may swap exact near-ties
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["rows", "bisect"])
-def test_compiled_topk_is_exact(impl):
+@gpu
+def test_compiled_topk_is_exact():
     # the top-k of given scores has no float reordering: ids must be equal exactly
     rows, nb, k = 65536, 2048, 96
     s = jax.random.normal(jax.random.key(3), (rows, nb))
     s = s.at[:6].set(_edge_rows(0, 6, nb, k))
-    got = jax.jit(functools.partial(select_topk, k=k, implementation=impl))(s)
-    np.testing.assert_array_equal(got, topk_reference(s, k))
+    got = jax.jit(functools.partial(select_topk, k=k))(s)
+    assert_ids_equal(got, topk_reference(s, k))
 
 
 def test_selectors_dispatch_to_the_kernels_and_modes_pass_it_on():
-    # select_blocks_*(implementation=...) reaches the kernels; modes.forward(select_impl=...)
+    # select_blocks_*(implementation=...) reaches the kernels; modes.forward(implementations=...)
     # reaches the selectors: with the interpreter, both equal the jnp path id for id.
 
     from sparda_jax import get_preset, init_forecast, init_model
+    from sparda_jax.config import Implementations
     from sparda_jax.modes import forward
     from sparda_jax.select import select_blocks_infllmv2
 
     sp = SparseConfig(local_blocks=1, topk=4, dense_len=0)
     f, kc, pos = _case(11, t=320, d=64)
     for fn, x in ((select_blocks_forecast, f), (select_blocks_infllmv2, jnp.repeat(f, 2, axis=2))):
-        np.testing.assert_array_equal(fn(x, kc, pos, sp, implementation="mosaic_gpu_interpret"),
-                                      fn(x, kc, pos, sp, implementation="xla"))
+        ref = fn(x, kc, pos, sp, implementation="xla")
+        assert_ids_equal(fn(x, kc, pos, sp, implementation="mosaic_gpu_interpret"), ref)
+        # None falls back to the reference where the kernels cannot run (here: no Hopper GPU)
+        assert_ids_equal(fn(x, kc, pos, sp), ref)
+        with pytest.raises(NotImplementedError, match="bf16/f16"):
+            fn(x.astype(jnp.float32), kc, pos, sp, implementation="mosaic_gpu_interpret")
+    with pytest.raises(ValueError, match="unknown select implementation"):
+        select_blocks_forecast(f, kc, pos, sp, implementation="rows")
     tiny = get_preset("tiny")
     cfg = tiny.replace(num_layers=2, head_dim=64, sparse=sp)
     params, fcst = init_model(cfg, jax.random.key(0)), init_forecast(cfg, jax.random.key(1))
     tok = jax.random.randint(jax.random.key(2), (1, 320), 0, cfg.vocab_size)
-    run = lambda impl: forward(params, tok, cfg, mode="sparda", forecast=fcst, dtype=jnp.bfloat16, select_impl=impl,
-                               collect_selection=True)[1]["ids"]
+    run = lambda impl: forward(params, tok, cfg, mode="sparda", forecast=fcst, dtype=jnp.bfloat16,
+                               implementations=Implementations(select=impl), collect_selection=True)[1]["ids"]
     np.testing.assert_array_equal(run("mosaic_gpu_interpret"), run("xla"))
 
 
@@ -141,24 +126,6 @@ def _decode_case(seed, t, b, kh=2, d=64, h=4):
     q = jax.random.normal(ks[2], (b, 1, h, d)).astype(jnp.bfloat16)
     pos = jnp.linspace(100, t - 1, b).astype(jnp.int32)[:, None]
     return f, q, compress_keys(k, 32, 16), pos
-
-
-@pytest.mark.parametrize("selector", ["forecast", "infllmv2"])
-def test_decode_topk_kernel_gives_the_xla_ids(selector):
-    # the XLA selectors with the Mosaic top-k in place of lax.top_k and the ids' sort (the decode
-    # step's two sorts): the same scores, so the same ids exactly, -1 padding included
-    from sparda_jax.select import select_blocks_infllmv2
-
-    sp = SparseConfig(local_blocks=2, topk=9, dense_len=0)
-    f, q, kc, pos = _decode_case(5, t=1280, b=5)
-    fn, x = (select_blocks_forecast, f) if selector == "forecast" else (select_blocks_infllmv2, q)
-    ref = fn(x, kc, pos, sp, implementation="xla")
-    got = jax.jit(functools.partial(fn, sparse=sp, implementation="xla", topk_implementation="mosaic_gpu_interpret"))(
-        x, kc, pos)
-    assert int(jnp.sum(ref[0] < 0)) > 0  # the early query has fewer candidates than topk
-    np.testing.assert_array_equal(got, ref)
-    with pytest.raises(ValueError, match="unknown top-k implementation"):
-        fn(x, kc, pos, sp, implementation="xla", topk_implementation="sort")
 
 
 def _host_topk(bs, pos, sp):
@@ -184,11 +151,10 @@ def _picked_scores(ids, masked):
 
 
 @pytest.mark.parametrize("nb,topk", [(2048, 96), (300, 24), (50, 24), (20, 24)])
-def test_topk_by_count_keeps_the_contract(nb, topk):
-    """finalize_topk's "xla_count" (ranks by counting, no sort) against the host contract: pooled
-    scores from a few values, so ties at the k-th place are common, invisible chunks, rows with
-    fewer candidates than topk. With -0.0 beside +0.0 it follows lax.top_k's total order (-0.0
-    ranks lower; the host's argsort calls them equal), checked against the "xla" top-k on the CPU."""
+def test_finalize_topk_keeps_the_contract(nb, topk):
+    """finalize_topk against the host contract: pooled scores from a few values, so ties at the
+    k-th place are common, invisible chunks, rows with fewer candidates than topk; and the
+    Mosaic top-k on the same masked scores."""
     from sparda_jax.select import finalize_topk
 
     sp = SparseConfig(local_blocks=min(8, topk - 2), topk=topk, dense_len=0)
@@ -197,39 +163,31 @@ def test_topk_by_count_keeps_the_contract(nb, topk):
     bs[rng.random(bs.shape) < 0.1] = -np.inf
     pos = rng.integers(0, nb * sp.block_size, (3, 4)).astype(np.int32)
     pos[0, 0] = 5 * sp.block_size  # fewer candidates than topk
-    top = {impl: jax.jit(functools.partial(finalize_topk, topk=topk, sparse=sp, topk_implementation=impl))
-           for impl in ("xla_count", "xla")}
-    want, _ = _host_topk(bs, pos, sp)
+    want, masked = _host_topk(bs, pos, sp)
     assert (want[0, :, 0] == -1).any()
-    np.testing.assert_array_equal(top["xla_count"](jnp.asarray(bs), jnp.asarray(pos)), want)
-    bs = np.where(bs == 0.125, np.where(rng.random(bs.shape) < 0.5, -0.0, 0.0), bs).astype(np.float32)
-    assert (np.signbit(bs) & (bs == 0)).any() and (~np.signbit(bs) & (bs == 0)).any()
-    np.testing.assert_array_equal(*(top[i](jnp.asarray(bs), jnp.asarray(pos)) for i in top))
+    got = jax.jit(functools.partial(finalize_topk, topk=topk, sparse=sp))(jnp.asarray(bs), jnp.asarray(pos))
+    assert_ids_equal(got, want)
+    rows = jax.jit(functools.partial(select_topk, k=topk, interpret=INTERPRET))(jnp.asarray(masked.reshape(-1, nb)))
+    assert_ids_equal(rows.reshape(want.shape), want)
 
 
-@pytest.mark.gpu
-def test_compiled_decode_topk_kernel_gives_the_xla_ids():
-    # decode at 128K, batch 8, the engine's budget (96 with 33 forced) and its 2048 blocks a row:
-    # n_blocks_for's bound from kc's length admits 2049 at 128K, which the kernel's row cannot hold
-    # (the first GPU run of this test failed on that), so a clear error without n_blocks.
-    # The scores are max-pooled, so equal scores at the k-th place occur (1 and 3 of this case's 14
-    # full rows, counted on the CPU). The kernel breaks them to the lower id, as its contract and a
-    # host stable sort do: equal ids exactly. lax.top_k's order among ties on the GPU is not part of
-    # its contract, so XLA's ids must only pick the same scores. Both top-ks read one scores array.
+@gpu
+def test_compiled_topk_kernel_breaks_pooled_ties_as_the_contract():
+    # decode-shaped rows at 128K, batch 8, the engine's budget (96 with 33 forced) and 2048 blocks
+    # a row. The scores are max-pooled, so equal scores at the k-th place occur. The kernel breaks
+    # them to the lower id, as its contract and a host stable sort do: equal ids exactly.
+    # lax.top_k's order among ties on the GPU is not part of its contract, so XLA's ids must only
+    # pick the same scores. Both top-ks read one scores array.
     from sparda_jax.select import finalize_topk, forecast_chunk_scores, infllmv2_chunk_scores, pool_to_blocks
 
     sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
     t = 131072
     nb = t // sp.block_size
     f, q, kc, pos = _decode_case(6, t=t, b=8, d=128, h=32)
-    with pytest.raises(ValueError, match="n_blocks=T // 64"):
-        select_blocks_forecast(f, kc, pos, sp, implementation="xla", topk_implementation="mosaic_gpu")
     for chunk_scores, x in ((forecast_chunk_scores, f), (infllmv2_chunk_scores, q)):
         bs = jax.jit(lambda x, c=chunk_scores: pool_to_blocks(c(x, kc, pos, sp), nb, sp))(x)
-        got, count, ref = (jax.jit(functools.partial(finalize_topk, topk=sp.topk, sparse=sp,
-                                                     topk_implementation=impl))(bs, pos)
-                           for impl in ("mosaic_gpu", "xla_count", "xla"))
+        ref = jax.jit(functools.partial(finalize_topk, topk=sp.topk, sparse=sp))(bs, pos)
         want, masked = _host_topk(bs, np.asarray(pos), sp)
-        np.testing.assert_array_equal(got, want)
-        np.testing.assert_array_equal(count, want)  # the counting top-k keeps the contract too
+        got = jax.jit(functools.partial(select_topk, k=sp.topk))(jnp.asarray(masked.reshape(-1, nb)))
+        assert_ids_equal(got.reshape(want.shape), want)
         np.testing.assert_array_equal(_picked_scores(np.asarray(ref), masked), _picked_scores(want, masked))

@@ -9,15 +9,15 @@ keeps an online softmax in the log2 domain, and writes a partial output with its
 the combine over splits runs in XLA. At 2 stages two CTAs fit an SM (the output staging reuses
 the rings' SMEM).
 
-Drafted and checked in interpret mode and with the CPU lowering check (docs/mosaic-gpu-notes.md
-section 2); `sparse_decode_attention_reference` is the plain-jnp reference with the same
-signature. bf16/f16 only (wgmma operands); head dim a multiple of 64; the cache length a
+`sparse_decode_attention_reference` is the plain-jnp reference with the same signature.
+Tuning: `DecodeConfig` (splits per (sequence, KV head), K/V buffers per CTA). bf16/f16 only (wgmma operands); head dim a multiple of 64; the cache length a
 multiple of 64 (TMA boxes of whole blocks).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
+from sparda_jax.config import ConfigError
+
+__all__ = ["DecodeConfig", "sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
            "sparse_decode_split_pass", "combine_splits",
            "paged_sparse_decode_attention_reference", "default_n_split", "DEFAULT_SPLITS", "DEFAULT_STAGES", "INTERPRET"]
 
@@ -39,13 +41,8 @@ INTERPRET = plgpu.InterpretGPUParams()
 BS, GP = 64, 64          # tokens per KV block; query rows per CTA (wgmma needs M % 64 == 0)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # bf16: 8 x 64 elems = 128 B
 
-# K/V buffers per CTA (stages - 1 blocks in flight). With 2 and 4 splits the H200 read 0.44-0.48
-# of HBM bandwidth at batch 16 and 0.89-0.97 at batch 64 (bench/results/attention.json). A ring
-# of 4 (3 blocks in flight; SMEM at D = 128: q 16 KB + K/V 4 x 32 KB + out 32 KB = 176 KB, so one
-# CTA per SM) read 0.23-0.34 at batch 16 with 9 splits (attention_a3cd03f.json) and 0.42 with 4
-# (attention.json): slower, so 2 stays the default; `stages` and `n_split` are arguments, and the
-# attention benchmark's mosaic_gpu@s<stages>n<splits> variants time other choices. At 2 stages two
-# CTAs share an SM (see SMEM_PER_SM); at 3 or more one CTA has the SM to itself.
+# K/V buffers per CTA (stages - 1 blocks in flight). 2 measured fastest; at 2 stages two CTAs
+# share an SM (see SMEM_PER_SM), at 3 or more one CTA has the SM to itself.
 DEFAULT_STAGES = 2
 
 
@@ -198,6 +195,25 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
 
 DEFAULT_SPLITS = 4
 MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tuning of the decode kernels, validated on construction (ConfigError names the field).
+
+    n_split: KV splits per (sequence, KV head), each one CTA (None: `default_n_split` for the grid);
+    stages: K/V buffers per CTA, stages - 1 blocks in flight (>= 2).
+    """
+
+    n_split: int | None = None
+    stages: int = DEFAULT_STAGES
+
+    def __post_init__(self):
+        if self.n_split is not None and (not isinstance(self.n_split, int) or self.n_split < 1):
+            raise ConfigError(f"DecodeConfig.n_split: must be None or >= 1, got {self.n_split!r}")
+        if not isinstance(self.stages, int) or self.stages < 2:
+            raise ConfigError(f"DecodeConfig.stages: must be >= 2 (a block in flight while one is read), "
+                              f"got {self.stages!r}")
 # Hopper: 228 KB of SMEM per SM, 1 KB of it reserved per resident CTA. The kernel at 2 stages
 # (D = 128) needs 87072 B, so two CTAs share an SM; `test_two_ctas_fit_an_sm` holds it to that.
 SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 228 * 1024, 1024
@@ -210,13 +226,8 @@ def default_n_split(n_blocks: int, pairs: int | None = None, sms: int | None = N
     """KV splits per (sequence, KV head): enough CTAs to fill every SM with as many CTAs as fit
     on one (`CTAS_PER_SM` at 2 stages and head dim <= 128, else 1) when the grid's (sequence,
     KV head) `pairs` are few; at least DEFAULT_SPLITS, at most MAX_SPLITS, never more than there
-    are blocks. sms: the GPU's SM count (None: the first GPU's, else H200_SMS). Why: each CTA
-    walks its blocks one after another (copy, QK^T, softmax, PV), so at batch 16 (32 pairs x 4
-    splits = 128 CTAs, one per SM) the H200 read 0.44-0.48 of HBM bandwidth against 0.89-0.97 at
-    batch 64 (bench/results/attention.json). 8 splits did not help then (0.41-0.42) because the
-    kernel's SMEM (118808 B) let only one CTA on an SM; since the output staging reuses the rings'
-    SMEM two fit, and batch 16 gets 8 splits. Not yet timed on the GPU: the attention benchmark's
-    mosaic_gpu@s2n4 / @s2n8 variants compare the choices."""
+    are blocks. sms: the GPU's SM count (None: the first GPU's, else H200_SMS). Each CTA walks
+    its blocks one after another, so a small grid leaves SMs idle."""
     if pairs is None:
         return max(1, min(DEFAULT_SPLITS, n_blocks))
     sms = sms or _gpu_sms()
@@ -233,21 +244,21 @@ def _gpu_sms() -> int:
     return int(getattr(gpus[0], "core_count", 0) or H200_SMS)
 
 
-def sparse_decode_attention(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
-                            interpret=None):
+def sparse_decode_attention(q, k, v, ids, pos, *, config: DecodeConfig | None = None, interpret=None):
     """q [B,H,D]; k, v [B,S,K,D]; ids [B,K,n] int32 (ascending, unique, -1 padded at the end);
-    pos [B] int32 (each query's position) -> [B,H,D]. n_split: KV splits per (sequence, KV
-    head), `default_n_split` when None. stages: K/V buffers per CTA (stages - 1 blocks in
-    flight). interpret: None (compiled, GPU) or `INTERPRET` (CPU)."""
+    pos [B] int32 (each query's position) -> [B,H,D]. config: the kernel's tuning
+    (`DecodeConfig()` when None). interpret: None (compiled, GPU) or `INTERPRET` (CPU)."""
+    config = DecodeConfig() if config is None else config
     _check(q, k, v, ids, pos)
-    return _decode(q, k, v, ids, pos, None, k.shape[2], n_split, stages, interpret)
+    return _decode(q, k, v, ids, pos, None, k.shape[2], config.n_split, config.stages, interpret)
 
 
-def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split: int | None = None,
-                                  stages: int = DEFAULT_STAGES, interpret=None):
+def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, config: DecodeConfig | None = None,
+                                  interpret=None):
     """The same over the engine's block cache: k_pool, v_pool [B,K,n_slots,64,D]; block ids[b,k,j]
     sits in slot slots[b,k,j] (ids ascending, unique, -1 padded at the end; slots aligned with
     them). -> [B,H,D]. Causality comes from the block ids and pos."""
+    config = DecodeConfig() if config is None else config
     b, kh, n_slots, bs, d = k_pool.shape
     if v_pool.shape != k_pool.shape or bs != BS:
         raise ValueError(f"k_pool/v_pool must be [B, K, n_slots, {BS}, D]; got {k_pool.shape}, {v_pool.shape}")
@@ -257,7 +268,8 @@ def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, n_split
     # the contiguous layout's checks, with the pool seen as a cache of n_slots blocks
     as_cache = lambda p: jax.ShapeDtypeStruct((b, n_slots * bs, kh, d), p.dtype)
     _check(q, as_cache(k_pool), as_cache(v_pool), ids, pos)
-    return _decode(q, flat(k_pool), flat(v_pool), ids, pos, slots.astype(jnp.int32), kh, n_split, stages, interpret)
+    return _decode(q, flat(k_pool), flat(v_pool), ids, pos, slots.astype(jnp.int32), kh, config.n_split,
+                   config.stages, interpret)
 
 
 def _decode(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
@@ -280,13 +292,13 @@ def _split_pass(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     return o[:, :, :, :G], lse[:, :, :, :G]
 
 
-def sparse_decode_split_pass(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
-                             interpret=None):
+def sparse_decode_split_pass(q, k, v, ids, pos, *, config: DecodeConfig | None = None, interpret=None):
     """`sparse_decode_attention` without its combine (the benchmark times the two apart):
     (o [B, K, n_split, G, D] f32, lse [B, K, n_split, G] f32, log2); `combine_splits(o, lse)`
     then gives the attention [B, K, G, D]."""
+    config = DecodeConfig() if config is None else config
     _check(q, k, v, ids, pos)
-    return _split_pass(q, k, v, ids, pos, None, k.shape[2], n_split, stages, interpret)
+    return _split_pass(q, k, v, ids, pos, None, k.shape[2], config.n_split, config.stages, interpret)
 
 
 def combine_splits(o, lse):
@@ -312,19 +324,17 @@ def _check(q, k, v, ids, pos):
         raise ValueError(f"ids must be [B, K, n] and pos [B]; got {ids.shape}, {pos.shape}")
 
 
-def sparse_decode_attention_reference(q, k, v, ids, pos, *, n_split: int | None = None, stages: int = DEFAULT_STAGES,
-                                      interpret=None):
-    """The plain-jnp reference with the kernel's signature (n_split, stages, interpret are ignored)."""
-    from sparda_jax.attention import sparse_attention_reference
+def sparse_decode_attention_reference(q, k, v, ids, pos, *, config=None, interpret=None):
+    """The plain-jnp reference with the kernel's signature (config and interpret are ignored)."""
+    from .reference import sparse_attention_reference
 
     out = sparse_attention_reference(q[:, None], k, v, ids[:, :, None], pos[:, None], block_size=BS)
     return out[:, 0]
 
 
-def paged_sparse_decode_attention_reference(q, k_pool, v_pool, slots, ids, pos, *, n_split: int | None = None,
-                                            stages: int = DEFAULT_STAGES, interpret=None):
-    """The plain-jnp reference with the paged kernel's signature (n_split, stages, interpret are ignored)."""
-    from sparda_jax.attention import paged_sparse_attention_reference
+def paged_sparse_decode_attention_reference(q, k_pool, v_pool, slots, ids, pos, *, config=None, interpret=None):
+    """The plain-jnp reference with the paged kernel's signature (config and interpret are ignored)."""
+    from .reference import paged_sparse_attention_reference
 
     out = paged_sparse_attention_reference(q[:, None], k_pool, v_pool, slots[:, :, None], ids[:, :, None],
                                            pos[:, None], block_size=BS)

@@ -2,7 +2,7 @@
 
 Every query token attends to its own selected 64-token blocks (one list per KV head, shared by
 the G query heads of the group), causally inside a block (key pos <= query pos), with an
-optional per-key logit bias (NOSA's cis). Design (docs/mosaic-gpu-notes.md section 3):
+optional per-key logit bias (NOSA's cis). Design:
 
 - **Rows.** q is reordered in XLA to q_r [B, K, T*Gp, D], row = t*Gp + g, the group padded to
   Gp = a power of two >= max(G, 4) (G=3 -> 4: 25% idle rows; wgmma wants 64-row tiles and a
@@ -11,23 +11,15 @@ optional per-key logit bias (NOSA's cis). Design (docs/mosaic-gpu-notes.md secti
   (`build_prefill_meta`, XLA: one sort + segment ops, like splash attention's MaskInfo); each
   union entry carries an int32 of selection bits (bit i: token i of the tile picked the block),
   so the mask is built in registers from two scalars and an iota, never read from memory.
-- **Two variants.** "ws" (FA3 structure): 2 compute warpgroups (128 rows) + 1 TMA warpgroup,
+- **Two variants** (`PrefillConfig.variant`). "ws" (FA3 structure): 2 compute warpgroups (128 rows) + 1 TMA warpgroup,
   `emit_pipeline_warp_specialized` over a traced trip count |union|; a compute warpgroup skips
   the wgmmas of blocks that none of its own tokens picked. "simple": one warpgroup of
   64 rows, K/V double-buffered by TMA in a fori_loop (the decode kernel's structure); half the
   tile, hence a smaller union, and no warp-specialization machinery.
 - Online softmax in the log2 domain with f32 state; P is rounded to q.dtype for the PV wgmma.
 
-Verification status: both variants ran in Mosaic GPU interpret mode on the CPU against
-`sparse_prefill_attention_reference` (tests/test_kernel_prefill.py; also under the race
-detector) in their interpret form (P through SMEM, accumulator not updated in place), and their
-compiled form passes the CPU lowering check for sm_90. **Not yet run on hardware**: ptxas, register pressure, races/deadlocks on a real
-GPU, and speed are unchecked. The efficiency depends on the union size (`union_stats`): a
-warpgroup computes 64 rows x |its union| x 64 logits, of which only the selected ones are useful.
-With MiniCPM's policy (96 blocks, 34 forced) on RANDOM q/k at 32K tokens the union is 2-2.5x
-the 87 blocks a token selects ("ws": 215 loaded / 168 computed per tile; "simple": 168); with
-neighbouring queries correlated (a random walk) it is within 2% of it. Real model selections
-are not measured yet.
+The efficiency depends on the union size (`union_stats`): a warpgroup computes 64 rows x
+|its union| x 64 logits, of which only the selected ones are useful.
 
 bf16/f16 only (wgmma operands; f32 is a TypeError so callers can fall back), head dim a
 multiple of 64 (128-byte swizzle), 64-token blocks.
@@ -36,6 +28,7 @@ multiple of 64 (128-byte swizzle), 64-token blocks.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import jax
@@ -44,7 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "build_prefill_meta",
+from sparda_jax.config import ConfigError
+
+__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "PrefillConfig", "build_prefill_meta",
            "PrefillMeta", "union_stats", "tile_tokens_for", "padded_group", "INTERPRET"]
 
 # Interpret mode (CPU). It does not support wgmma with A from registers nor in-place
@@ -59,6 +54,26 @@ ROWS = 64                     # query rows per compute warpgroup (wgmma M)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 16-bit: 8 x 64 = 128 B rows
 LOG2E = math.log2(math.e)
 Variant = Literal["ws", "simple"]
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tuning of the prefill kernel, validated on construction (ConfigError names the field).
+
+    variant: "simple" (one warpgroup of 64 rows, K/V double-buffered by TMA; the default: its
+        smaller tile walks a smaller union of blocks) or "ws" (2 compute warpgroups + 1 TMA
+        warpgroup, warp-specialized);
+    stages: K/V buffers in flight in the "ws" pipeline (>= 2); "simple" always uses 2.
+    """
+
+    variant: Variant = "simple"
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.variant not in ("ws", "simple"):
+            raise ConfigError(f"PrefillConfig.variant: must be 'ws' or 'simple', got {self.variant!r}")
+        if not isinstance(self.stages, int) or self.stages < 2 or (self.variant == "simple" and self.stages != 2):
+            raise ConfigError(f"PrefillConfig.stages: must be >= 2 (and 2 for the 'simple' variant), got {self.stages!r}")
 
 
 def padded_group(g: int) -> int:
@@ -441,29 +456,23 @@ def _check(q, k, v, block_ids, q_positions, bias):
         raise ValueError(f"bias must be [B, S, K] = {(b, s, kh)}; got {bias.shape}")
 
 
-def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
-                             variant: Variant = "simple", meta: PrefillMeta | None = None,
-                             p_via_smem: bool | None = None, acc_in_place: bool | None = None,
-                             stages: int = 2):
+def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, config: PrefillConfig | None = None,
+                             interpret=None, meta: PrefillMeta | None = None, p_via_smem: bool | None = None,
+                             acc_in_place: bool | None = None):
     """q [B, T, H, D]; k, v [B, S, K, D]; block_ids int [B, K, T, n] (64-token blocks; -1 =
-    none); q_positions int [B, T]; bias optional float [B, S, K] added to each key's logit.
-    -> [B, T, H, D] in q.dtype; a query with no visible key gets zeros.
-    variant: "simple" by default, 6-10% faster than "ws" on the H200 at 32K-128K with
-    minicpm4.1-8b shapes (bench/results/attention.json): with random-weight selections the
-    smaller tile walks a smaller union of blocks.
+    none; any order, repeats allowed); q_positions int [B, T]; bias optional float [B, S, K]
+    added to each key's logit. -> [B, T, H, D] in q.dtype; a query with no visible key gets zeros.
 
+    config: the kernel's tuning (`PrefillConfig()` when None).
     interpret: None (compiled, GPU), True or a plgpu.InterpretGPUParams (CPU interpreter).
-    variant: "ws" (2 compute warpgroups + a TMA warpgroup) or "simple" (1 warpgroup).
     meta: a precomputed `build_prefill_meta(block_ids padded to the tile, tile_tokens_for(G,
-    variant), n_blocks)` (layers that share a selection can reuse it).
-    p_via_smem / acc_in_place default to what the mode supports (interpret: True / False).
-    stages: K/V buffers in flight in the "ws" pipeline (>= 2; "simple" always double-buffers).
+    config.variant), n_blocks)` (layers that share a selection can reuse it).
+    p_via_smem / acc_in_place: default to what the mode supports (interpret: True / False).
+    Raises TypeError for dtypes other than bf16/f16, ValueError for unsupported shapes.
     """
+    config = PrefillConfig() if config is None else config
     _check(q, k, v, block_ids, q_positions, bias)
-    if variant not in ("ws", "simple"):
-        raise ValueError(f"unknown variant {variant!r}; 'ws' or 'simple'")
-    if stages < 2 or (variant == "simple" and stages != 2):
-        raise ValueError(f"stages must be >= 2 (and 2 for the 'simple' variant), got {stages}")
+    variant, stages = config.variant, config.stages
     if interpret is True:
         interpret = INTERPRET
     if p_via_smem is None:
@@ -499,10 +508,9 @@ def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, inte
     return o.reshape(b, t, h, d)
 
 
-def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
-                                       variant: Variant = "ws", meta=None, p_via_smem=None,
-                                       acc_in_place=None, stages=2):
+def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, config=None, interpret=None,
+                                       meta=None, p_via_smem=None, acc_in_place=None):
     """The plain-jnp reference with the kernel's signature (the kernel-only options are ignored)."""
-    from sparda_jax.attention import sparse_attention_reference
+    from .reference import sparse_attention_reference
 
     return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=BS, bias=bias)

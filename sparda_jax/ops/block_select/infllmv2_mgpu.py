@@ -1,6 +1,6 @@
 """The InfLLM-V2 selector as Pallas Mosaic GPU kernels (Hopper), exact-LSE variant.
 
-Reference: `sparda_jax.select.select_blocks_infllmv2` (same contract and output layout).
+Reference: `reference.select_blocks_infllmv2_reference` (same contract and output layout).
 Per KV group of G query heads, a query at position p scores compressed chunk c with
 `S(p, c) = sum_g exp(q_g . kc_c / sqrt(D) - lse_g(p))`, lse over the visible chunks; blocks take
 the max over their chunks; forced / causal rules and the top-k follow.
@@ -10,7 +10,7 @@ the max over their chunks; forced / causal rules and the top-k follow.
    pipeline length, so causal prefill reads about half of kc). Cost: 2*D*64*64 flops per tile,
    H * T * N_c * D * 2 / 2 flops in all (causal), kc read once per CTA from L2.
 2. `block_scores`: one CTA per (batch, KV head, 64 tokens); a pipeline over 64-block tiles
-   (P = 5 phase planes of kc, `forecast_select.phase_kc`) up to the tile's last own block, and
+   (P = 5 phase planes of kc, `forecast_mgpu.phase_kc`) up to the tile's last own block, and
    inside each step a loop over the G heads (q_g double-buffered through TMA) accumulating
    exp(logit - lse_g) per phase plane; the block score is the elementwise max of the P sums
    (max-pool without shuffles), then -inf for non-candidates and +inf for forced blocks as in
@@ -18,10 +18,9 @@ the max over their chunks; forced / causal rules and the top-k follow.
    Cost: G * P wgmmas of 64x64xD per (64 tokens, 64 blocks) tile, i.e. 5/4 of a dense q.kc^T,
    halved by causality; q re-read G * 16 KiB (D = 128) per step from L2.
    SMEM (D = 128): q 2 x 16 KiB, kc 5 planes x 2 stages x 16 KiB, one 16 KiB output tile.
-3. the top-k: `forecast_select.select_topk` (`topk_impl`: "rows" or "bisect").
+3. the top-k: `forecast_mgpu.select_topk`.
 
 MiniCPM4's coarse-LSE approximation (`sparse.exact_lse=False`) stays XLA-only.
-Checked in interpret mode and by the CPU lowering check; not yet run on hardware.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sparda_jax.config import SparseConfig
 from sparda_jax.compress import chunk_visible
 
-from .forecast_select import MAX_BLOCKS, MMA_T, phase_kc, select_topk
+from .forecast_mgpu import MAX_BLOCKS, MMA_T, phase_kc, select_topk
 
 __all__ = ["layout_q", "head_lse", "head_lse_reference", "block_scores", "block_scores_reference",
            "infllmv2_select"]
@@ -235,16 +234,14 @@ def block_scores_reference(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64,
     return s.reshape(B, K, Tt * 64, NBp)
 
 
-def infllmv2_select(q, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None,
-                    topk_impl: str = "rows"):
-    """Same contract as `sparda_jax.select.select_blocks_infllmv2` with exact LSE: q [B, Tq, H, D]
-    (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, sparse.topk].
-    topk_impl: see `forecast_select.select_topk`."""
+def infllmv2_select(q, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None):
+    """Same contract as `reference.select_blocks_infllmv2_reference` with exact LSE: q [B, Tq, H, D]
+    (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, sparse.topk]."""
     b, tq, h, d = q.shape
     n, kh = kc.shape[1], kc.shape[2]
     if not sparse.exact_lse:
         raise NotImplementedError("the coarse-LSE approximation (sparse.exact_lse=False) is XLA-only: "
-                                  "use sparda_jax.select.select_blocks_infllmv2 with kc_coarse")
+                                  "use implementation='xla' with kc_coarse")
     if q.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU selector takes bf16/f16 queries, got {q.dtype}")
     if d % 64 or kc.shape[-1] != d:
@@ -266,6 +263,5 @@ def infllmv2_select(q, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, 
     scores = block_scores(q_r, kcp, lse, pos, offs=offs, n_chunks=n, block_size=sparse.block_size,
                           init_blocks=sparse.init_blocks, local_blocks=sparse.local_blocks,
                           interpret=interpret, **geo)[:, :, :tq, :n_blocks]
-    ids = select_topk(scores.reshape(b * kh * tq, n_blocks), sparse.topk, implementation=topk_impl,
-                      interpret=interpret)
+    ids = select_topk(scores.reshape(b * kh * tq, n_blocks), sparse.topk, interpret=interpret)
     return ids.reshape(b, kh, tq, sparse.topk)

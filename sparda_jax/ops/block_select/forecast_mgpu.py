@@ -1,23 +1,17 @@
 """The SparDA selector as Pallas Mosaic GPU kernels (Hopper): Forecast block scores, then a
-top-k without sort.
+top-k without sort. The reference is `reference.select_blocks_forecast_reference`.
 
 1. `block_scores`: per tile of 64 tokens x 64 blocks, the Forecast logits f.kc^T against the
    compressed keys and the max-pool onto 64-token blocks, without cross-lane shuffles: kc is
    re-laid in XLA into P = r + left "phase planes" (`phase_kc`: plane o, row kb = chunk r*kb+o),
    so the pool is an elementwise max over P wgmma outputs. Invisible chunks are -inf; the
-   candidate / forced rules of `sparda_jax.select.finalize_topk` are applied in the kernel.
-2. `topk_select` ("bisect"): one row (<= 2048 block scores, viewed as 8 x 256) per CTA. Scores map to
-   monotone int32 keys; a 32-step bisection finds the k-th key, a 12-step bisection over ids
-   breaks ties towards lower ids (lax.top_k's order), and k masked-min reductions emit the ids
-   in ascending order, -1 padded.
+   candidate / forced rules of `reference.finalize_topk` are applied in the kernel.
+2. `select_topk` (`topk_select_rows`): many rows per CTA (8 at 2048 blocks, more for shorter
+   rows). Scores map to monotone int32 keys; a 32-step bisection finds the k-th key, a bisection
+   over ids breaks ties towards lower ids (lax.top_k's order), and k masked-min reductions emit
+   the ids in ascending order, -1 padded; every reduction stays inside one warp.
 
-3. `topk_select_rows`: the same algorithm with many rows per CTA (8 at 2048 blocks, more for
-   shorter rows; rows not padded to 2048) and row-wise reductions that stay inside one warp.
-   `select_topk(..., implementation="rows" | "bisect")` picks one; both emit the same ids.
-
-`forecast_select` chains them with the layout of `sparda_jax.select.select_blocks_forecast`,
-which is the reference. Drafted and checked in interpret mode and by the CPU lowering check
-(docs/mosaic-gpu-notes.md section 4); not yet run on hardware.
+`forecast_select` chains them with the layout of the reference selector.
 """
 
 from __future__ import annotations
@@ -34,8 +28,8 @@ from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
 from sparda_jax.config import SparseConfig
 
-__all__ = ["phase_kc", "block_scores", "topk_select", "topk_select_rows", "rows_per_cta", "select_topk",
-           "topk_reference", "TOPK_IMPLS", "forecast_select", "MAX_BLOCKS"]
+__all__ = ["phase_kc", "block_scores", "topk_select_rows", "rows_per_cta", "select_topk",
+           "topk_reference", "forecast_select", "MAX_BLOCKS"]
 
 MAX_BLOCKS = 2048  # one top-k row is 8 x 256 scores (TMA boxes hold <= 256 per dimension)
 
@@ -121,7 +115,6 @@ def block_scores(f_r, kcp, pos, *, offs, block_size=64, kernel_size=32, kernel_s
 
 
 
-R8, C256 = 8, 256                  # a 2048-score row viewed as (8, 256): TMA boxes are <= 256 per dim
 INT_MIN = -2**31
 KEY_NEG_INF = int(np.array([-np.inf], np.float32).view(np.int32)[0] ^ 0x7FFFFFFF)
 
@@ -132,56 +125,10 @@ def f32_key(x):                    # monotone f32 -> int32 (NaN not handled)
 def floor_avg(a, b):               # (a + b) // 2 without int32 overflow
     return (a >> 1) + (b >> 1) + (a & b & 1)
 
-def topk_select(scores, k, *, interpret=None):
-    """scores [R,8,256] f32 (-inf: not a candidate, +inf: forced) -> [R,k] int32 ids, ascending,
-    ties to the lower id, -1 where fewer than k candidates  (== lax.top_k + sort, finalize_topk)."""
-    R = scores.shape[0]
-    def body(s_ref, o_ref, s_smem, o_smem, bar):
-        r = lax.axis_index("r")
-        plgpu.copy_gmem_to_smem(s_ref.at[r], s_smem, bar)
-        plgpu.barrier_wait(bar)
-        key = f32_key(s_smem[...])                                        # (8,256) int32 in registers
-        ids = (lax.broadcasted_iota(jnp.int32, (R8, C256), 0) * C256
-                      + lax.broadcasted_iota(jnp.int32, (R8, C256), 1))
-        count = lambda m: jnp.sum(m.astype(jnp.int32))                    # full reduction -> scalar
-        # 1) T = max{t : #(key >= t) >= k}; 32 halvings cover the int32 range
-        def bis_val(_, c):
-            lo, hi = c
-            mid = floor_avg(lo, hi)
-            ok = count(key >= mid) >= k
-            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-        T, _ = lax.fori_loop(0, 32, bis_val, (jnp.int32(INT_MIN), jnp.int32(0x7F800001)))
-        need = k - count(key > T)                                         # ties still to take (>= 1)
-        # 2) I = min{i : #(key == T and id <= i) >= need}  -> ties go to the lowest ids
-        def bis_id(_, c):
-            lo, hi = c
-            mid = floor_avg(lo, hi)
-            ok = count((key == T) & (ids <= mid)) >= need
-            return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
-        _, I = lax.fori_loop(0, 12, bis_id, (jnp.int32(-1), jnp.int32(R8 * C256 - 1)))
-        sel = ((key > T) | ((key == T) & (ids <= I))) & (key != KEY_NEG_INF)
-        # 3) ascending compaction: k masked-min reductions, one scalar SMEM store each
-        BIG = jnp.int32(2**31 - 1)
-        def emit(j, prev):
-            nxt = jnp.min(jnp.where(sel & (ids > prev), ids, BIG))
-            o_smem[j] = jnp.where(nxt == BIG, -1, nxt)
-            return nxt
-        lax.fori_loop(0, k, emit, jnp.int32(-1))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem, o_ref.at[r])
-        plgpu.wait_smem_to_gmem(0)
-    return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((R, k), jnp.int32),
-            grid=(R,), grid_names=("r",),
-            scratch_types=(plgpu.SMEM((R8, C256), jnp.float32), plgpu.SMEM((k,), jnp.int32), plgpu.Barrier()),
-            interpret=interpret)(scores)
-
-
 def _rows_layout(rt, nbp):
     """Register layout of an (rt, nbp) tile: warp w holds rows w*rt/4 .. (w+1)*rt/4 - 1 whole,
     its 32 lanes split the columns in pairs. A row never spans warps, so axis-1 reductions are
-    in-thread adds plus 5 lane shuffles: no SMEM round trip, no warpgroup barrier (the
-    (8, 256) layout of `topk_select` pays both on every one of its ~140 reductions)."""
+    in-thread adds plus 5 lane shuffles: no SMEM round trip, no warpgroup barrier."""
     return plgpu.Layout.TILED(Tiling(((rt, 64), (rt // 4, 64), (2,))), warp_dims=(-5,), lane_dims=(-2,),
                               vector_dim=-1)
 
@@ -197,21 +144,16 @@ def rows_per_cta(nbp):
 
 
 def topk_select_rows(scores, k, *, interpret=None):
-    """Same result as `topk_select`, many rows per CTA. scores [R, NBp] f32 (NBp % 64 == 0,
+    """The top-k of many rows per CTA. scores [R, NBp] f32 (NBp % 64 == 0,
     NBp <= 2048; R % rows_per_cta(NBp) == 0; -inf: not a candidate, +inf: forced) ->
     [R, k] int32 ids, ascending, ties to the lower id, -1 padded (== lax.top_k + sort).
 
     One CTA (one warpgroup) holds RT = rows_per_cta(NBp) whole rows in registers, 128 scores
     per thread at most (NBp = 2048: 8 rows; 320: 32 rows; 64: 256 rows), so the grid has R / RT CTAs and rows are
-    not padded to 2048. Same algorithm as `topk_select` (value bisection, id bisection for
-    ties, masked-min compaction), but every step works on all RT rows at once and each
-    reduction is row-wise inside one warp (see `_rows_layout`).
-
-    Expected cost per row: 32 + ceil(log2 NBp) + 1 + k row reductions (k = 96, NBp = 2048:
-    144), each ~2-4 ops per score (NBp/32 = 64 per lane) and 5 shuffles, none crossing warps;
-    about 144 * 2048 * 3 ~ 0.9 M lane-ops per row, so instruction bound: ~30 ms for the 1M rows
-    of prefill 128K x batch 4 on an H200 at full issue rate (an estimate, not measured). Bytes:
-    NBp*4 read + k*4 written per row. The k compaction steps are ~2/3 of the work.
+    not padded to 2048. Value bisection, id bisection for ties, masked-min compaction; every
+    step works on all RT rows at once and each reduction is row-wise inside one warp
+    (see `_rows_layout`). Per row: 32 + ceil(log2 NBp) + 1 + k row reductions, so the kernel is
+    instruction bound; it reads NBp*4 and writes k*4 bytes a row.
     """
     R, nbp = scores.shape
     rt = rows_per_cta(nbp)
@@ -269,21 +211,12 @@ def topk_select_rows(scores, k, *, interpret=None):
     return out.transpose(0, 2, 1).reshape(R, k)   # [R/RT, k, RT]: slot-major in SMEM, one bulk store
 
 
-TOPK_IMPLS = ("rows", "bisect")
-
-
-def select_topk(scores, k, *, implementation="rows", interpret=None):
+def select_topk(scores, k, *, interpret=None):
     """scores [R, NB] f32 (-inf: not a candidate, +inf: forced) -> [R, k] int32 ids ascending,
-    ties to the lower id, -1 padded. implementation: "rows" (`topk_select_rows`, many rows per
-    CTA) or "bisect" (`topk_select`, one row of 2048 per CTA)."""
+    ties to the lower id, -1 padded (`topk_select_rows` on rows padded to its tile)."""
     R, nb = scores.shape
     if nb > MAX_BLOCKS:
         raise ValueError(f"{nb} blocks exceed the kernel's row of {MAX_BLOCKS} (context > 128K)")
-    if implementation == "bisect":
-        rows = jnp.pad(scores, ((0, 0), (0, MAX_BLOCKS - nb)), constant_values=-jnp.inf)
-        return topk_select(rows.reshape(R, R8, C256), k, interpret=interpret)
-    if implementation != "rows":
-        raise ValueError(f"topk implementation must be one of {TOPK_IMPLS}, got {implementation!r}")
     nbp = -(-max(nb, k) // 64) * 64     # >= k keeps the bisection's invariant simple
     rt = rows_per_cta(nbp)
     rp = -(-R // rt) * rt
@@ -292,7 +225,7 @@ def select_topk(scores, k, *, implementation="rows", interpret=None):
 
 
 def topk_reference(scores, k):
-    """The tail of `sparda_jax.select.finalize_topk` on rows [R, NB]: same contract as
+    """The tail of `reference.finalize_topk` on rows [R, NB]: same contract as
     `select_topk`."""
     vals, idx = lax.top_k(scores, k) if scores.shape[-1] >= k else lax.top_k(
         jnp.pad(scores, ((0, 0), (0, k - scores.shape[-1])), constant_values=-jnp.inf), k)
@@ -301,11 +234,9 @@ def topk_reference(scores, k):
     return jnp.where(idx == big, -1, idx)
 
 
-def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None,
-                    topk_impl: str = "rows"):
-    """Same contract as `sparda_jax.select.select_blocks_forecast` (no NOSA): f [B, Tq, K, D]
-    (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, topk].
-    topk_impl: see `select_topk`."""
+def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None):
+    """Same contract as `reference.select_blocks_forecast_reference`: f [B, Tq, K, D]
+    (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, topk]."""
     b, tq, kh, d = f.shape
     if f.dtype not in (jnp.bfloat16, jnp.float16):
         raise TypeError(f"the Mosaic GPU selector takes bf16/f16 Forecasts, got {f.dtype}")
@@ -322,6 +253,5 @@ def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, 
     scores = block_scores(f_r, kcp, pos, offs=offs, block_size=sparse.block_size, kernel_size=sparse.kernel_size,
                           kernel_stride=sparse.kernel_stride, init_blocks=sparse.init_blocks,
                           local_blocks=sparse.local_blocks, interpret=interpret)[:, :, :tq, :n_blocks]
-    ids = select_topk(scores.reshape(b * kh * tq, n_blocks), sparse.topk, implementation=topk_impl,
-                      interpret=interpret)
+    ids = select_topk(scores.reshape(b * kh * tq, n_blocks), sparse.topk, interpret=interpret)
     return ids.reshape(b, kh, tq, sparse.topk)

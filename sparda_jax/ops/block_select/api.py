@@ -1,0 +1,131 @@
+"""Block selection with one `implementation=` argument (InfLLM-V2 and Forecast selectors).
+
+Backends:
+  "xla"                  the jnp reference (`reference.py`; any platform, coarse LSE allowed);
+  "mosaic_gpu"           the Pallas Mosaic GPU selectors on a Hopper GPU (`forecast_mgpu.py`,
+                         `infllmv2_mgpu.py`: scoring fused with the pooling and the forced /
+                         causal rules, then a top-k without sort): bf16/f16, head dim 128,
+                         <= 2048 blocks, exact LSE;
+  "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
+                         any head dim that is a multiple of 64.
+Default order: prefill (Tq > 1) "mosaic_gpu", "xla"; decode (Tq == 1) "xla" alone, the faster
+there. A Mosaic backend raises NotImplementedError for inputs outside its envelope.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from sparda_jax.config import SparseConfig
+
+from .._dispatch import Registry, hopper_gpu, interpret_params
+from .reference import (_check, _check_forecast, n_blocks_for, nosa_refine, select_blocks_forecast_reference,
+                        select_blocks_infllmv2_reference)
+
+__all__ = ["select_blocks_infllmv2", "select_blocks_forecast", "select_blocks_nosa", "INFLLMV2_BACKENDS",
+           "FORECAST_BACKENDS", "default_order", "MOSAIC_MAX_BLOCKS"]
+
+INFLLMV2_BACKENDS = Registry("select")
+FORECAST_BACKENDS = Registry("select")
+MOSAIC_MAX_BLOCKS = 2048  # the kernels' top-k row (128K tokens of 64-token blocks)
+
+
+def default_order(x) -> tuple[str, ...]:
+    """The backends None tries for queries (or Forecasts) x [B, Tq, heads, D]."""
+    return ("mosaic_gpu", "xla") if x.shape[1] > 1 else ("xla",)
+
+
+def _mosaic_support(implementation, x, nb: int) -> None:
+    if implementation == "mosaic_gpu" and not hopper_gpu():
+        raise NotImplementedError("the Mosaic GPU selectors need a Hopper GPU")
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        raise NotImplementedError(f"the Mosaic GPU selectors take bf16/f16, got {x.dtype}")
+    d = x.shape[-1]
+    if not (d == 128 if implementation == "mosaic_gpu" else d % 64 == 0):
+        raise NotImplementedError(f"the Mosaic GPU selectors do not take head dim {d}")
+    if nb > MOSAIC_MAX_BLOCKS:
+        raise NotImplementedError(f"the Mosaic GPU top-k takes rows of <= {MOSAIC_MAX_BLOCKS} blocks, got {nb}")
+
+
+@INFLLMV2_BACKENDS.register("xla")
+def _infllmv2_xla(q, kc, q_positions, sparse, *, kc_coarse, n_blocks, q_chunk):
+    return select_blocks_infllmv2_reference(q, kc, q_positions, sparse, kc_coarse=kc_coarse, n_blocks=n_blocks,
+                                            q_chunk=q_chunk)
+
+
+def _infllmv2_mosaic(implementation):
+    def run(q, kc, q_positions, sparse, *, kc_coarse, n_blocks, q_chunk):
+        if not sparse.exact_lse:
+            raise NotImplementedError("the Mosaic GPU InfLLM-V2 selector takes exact LSE only")
+        _mosaic_support(implementation, q, n_blocks)
+        from .infllmv2_mgpu import infllmv2_select
+
+        return infllmv2_select(q, kc.astype(q.dtype), q_positions, sparse, n_blocks=n_blocks,
+                               interpret=interpret_params(implementation))
+    return run
+
+
+@FORECAST_BACKENDS.register("xla")
+def _forecast_xla(f, kc, q_positions, sparse, *, n_blocks, q_chunk):
+    return select_blocks_forecast_reference(f, kc, q_positions, sparse, n_blocks=n_blocks, q_chunk=q_chunk)
+
+
+def _forecast_mosaic(implementation):
+    def run(f, kc, q_positions, sparse, *, n_blocks, q_chunk):
+        _mosaic_support(implementation, f, n_blocks)
+        from .forecast_mgpu import forecast_select
+
+        return forecast_select(f, kc.astype(f.dtype), q_positions, sparse, n_blocks=n_blocks,
+                               interpret=interpret_params(implementation))
+    return run
+
+
+for _name in ("mosaic_gpu", "mosaic_gpu_interpret"):
+    INFLLMV2_BACKENDS.register(_name)(_infllmv2_mosaic(_name))
+    FORECAST_BACKENDS.register(_name)(_forecast_mosaic(_name))
+
+
+def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
+                           n_blocks: int | None = None, q_chunk: int = 128,
+                           implementation: str | None = None) -> jax.Array:
+    """InfLLM-V2 selection from the true queries. q [B, Tq, H, D], kc [B, N_c, K, D],
+    q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk] (ascending, -1 padded).
+    Exact LSE unless `kc_coarse` is given (`reference.infllmv2_chunk_scores`);
+    `sparse.exact_lse=False` without kc_coarse is a ValueError. n_blocks: the row length
+    (default `n_blocks_for(N_c)`). implementation: see the module docstring."""
+    _check(q, kc, q_positions, "H")
+    if not sparse.exact_lse and kc_coarse is None:
+        raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
+                         "coarse_lse_kernel / coarse_lse_stride)")
+    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    return INFLLMV2_BACKENDS(implementation, default_order(q), q, kc, q_positions, sparse, kc_coarse=kc_coarse,
+                             n_blocks=nb, q_chunk=q_chunk)
+
+
+def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
+                           q_chunk: int = 512, implementation: str | None = None) -> jax.Array:
+    """SparDA selection from the Forecast. f [B, Tq, K, D] (one head per KV head), kc
+    [B, N_c, K, D], q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk].
+    implementation: see the module docstring."""
+    _check_forecast(f, kc, q_positions)
+    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    return FORECAST_BACKENDS(implementation, default_order(f), f, kc, q_positions, sparse, n_blocks=nb,
+                             q_chunk=q_chunk)
+
+
+def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
+                       q_chunk: int = 128, implementation: str | None = None) -> jax.Array:
+    """NOSA's two stages. Query-aware: the InfLLM-V2 selection with budget
+    `sparse.nosa_qk_topk` (forced blocks included; `implementation` is its backend);
+    query-agnostic: `reference.nosa_refine` (XLA). -> int32 [B, K, Tq, sparse.topk]."""
+    _check(q, kc, q_positions, "H")
+    if sparse.nosa_qk_topk is None:
+        raise ValueError("select_blocks_nosa needs sparse.nosa_qk_topk")
+    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    stage1 = dataclasses.replace(sparse, topk=sparse.nosa_qk_topk)
+    qk_ids = select_blocks_infllmv2(q, kc, q_positions, stage1, n_blocks=nb, q_chunk=q_chunk,
+                                    implementation=implementation)
+    return nosa_refine(qk_ids, cis_c, q_positions, sparse, n_blocks=nb, q_chunk=q_chunk)

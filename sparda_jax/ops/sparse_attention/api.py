@@ -1,0 +1,136 @@
+"""Block-sparse GQA attention with one `implementation=` argument.
+
+Backends (default order "mosaic_gpu", "xla"):
+  "xla"                  the jnp reference (`reference.py`; any platform, any block_ids layout);
+  "mosaic_gpu"           the Pallas Mosaic GPU kernels on a Hopper GPU: Tq > 1 goes to the
+                         prefill kernel (`prefill.py`; bias allowed, any order of block ids,
+                         head dim 128), Tq == 1 to the decode kernel (`decode.py`; no bias, head
+                         dim 64 or 128, block ids as the selectors emit them: ascending, unique,
+                         -1 padding at the end). bf16/f16 and 64-token blocks;
+  "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
+                         any head dim that is a multiple of 64.
+A Mosaic backend raises NotImplementedError for inputs outside that envelope, so None falls
+back to "xla" there.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._dispatch import Registry, hopper_gpu, interpret_params
+from ..dense_attention.reference import check_qkv
+from .reference import check_block_ids, paged_sparse_attention_reference, sparse_attention_reference
+
+__all__ = ["sparse_attention", "paged_sparse_attention", "BACKENDS", "PAGED_BACKENDS", "DEFAULT_ORDER"]
+
+BACKENDS = Registry("sparse_attention")
+PAGED_BACKENDS = Registry("sparse_attention")
+DEFAULT_ORDER = ("mosaic_gpu", "xla")
+BLOCK = 64  # the kernels' block size
+
+
+def _mosaic_support(implementation: str, q, k, v, block_size: int, bias) -> None:
+    """Raise NotImplementedError unless the Mosaic kernels (compiled or interpreted) take these inputs."""
+    decode = q.shape[1] == 1
+    if implementation == "mosaic_gpu" and not hopper_gpu():
+        raise NotImplementedError("the Mosaic GPU kernels need a Hopper GPU")
+    if block_size != BLOCK:
+        raise NotImplementedError(f"the Mosaic GPU kernels take {BLOCK}-token blocks, got {block_size}")
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise NotImplementedError(f"the Mosaic GPU kernels take bf16/f16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if decode and bias is not None:
+        raise NotImplementedError("the Mosaic GPU decode kernel (Tq == 1) takes no bias")
+    d = q.shape[-1]
+    # compiled: the head dims the kernels were validated at on the H200; interpreted: their rule
+    dims_ok = (d in ((64, 128) if decode else (128,))) if implementation == "mosaic_gpu" else d % 64 == 0
+    if not dims_ok:
+        raise NotImplementedError(f"the Mosaic GPU {'decode' if decode else 'prefill'} kernel does not take head dim {d}")
+
+
+@BACKENDS.register("xla")
+def _xla(q, k, v, block_ids, q_positions, *, block_size, bias, config):
+    return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
+
+
+def _mosaic(implementation):
+    def run(q, k, v, block_ids, q_positions, *, block_size, bias, config):
+        check_qkv(q, k, v, q_positions)
+        check_block_ids(q, k, block_ids)
+        _mosaic_support(implementation, q, k, v, block_size, bias)
+        interpret = interpret_params(implementation)
+        if q.shape[1] > 1:
+            from .prefill import sparse_prefill_attention
+
+            return sparse_prefill_attention(q, k, v, block_ids, q_positions.astype(jnp.int32), bias=bias,
+                                            config=config, interpret=interpret)
+        from .decode import sparse_decode_attention
+
+        out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
+                                      q_positions[:, 0].astype(jnp.int32), config=config, interpret=interpret)
+        return out[:, None]
+    return run
+
+
+for _name in ("mosaic_gpu", "mosaic_gpu_interpret"):
+    BACKENDS.register(_name)(_mosaic(_name))
+
+
+def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, bias=None,
+                     implementation: str | None = None, config=None):
+    """Block-sparse attention over the selected blocks.
+
+    q [B, Tq, H, D]; k, v [B, S, K, D]; block_ids int [B, K, Tq, n] (-1 = padding, repeats
+    count once); q_positions int [B, Tq]; bias optional float [B, S, K] added to each key's
+    logit (NOSA's cis). -> [B, Tq, H, D] in q's dtype; a query with no visible key gets zeros.
+
+    implementation: "xla" | "mosaic_gpu" | "mosaic_gpu_interpret" (module docstring), or None:
+    the first of DEFAULT_ORDER that supports the inputs.
+    config: the Mosaic kernel's tuning, `prefill.PrefillConfig` (Tq > 1) or
+    `decode.DecodeConfig` (Tq == 1); None: its defaults. Ignored by "xla".
+    Raises NotImplementedError if the named backend cannot run the inputs.
+    """
+    return BACKENDS(implementation, DEFAULT_ORDER, q, k, v, block_ids, q_positions, block_size=block_size,
+                    bias=bias, config=config)
+
+
+@PAGED_BACKENDS.register("xla")
+def _paged_xla(q, k_pool, v_pool, slots, block_ids, q_positions, *, block_size, bias_pool, config):
+    return paged_sparse_attention_reference(q, k_pool, v_pool, slots, block_ids, q_positions,
+                                            block_size=block_size, bias_pool=bias_pool)
+
+
+def _paged_mosaic(implementation):
+    def run(q, k_pool, v_pool, slots, block_ids, q_positions, *, block_size, bias_pool, config):
+        if q.shape[1] != 1:
+            raise NotImplementedError("the paged Mosaic GPU kernel covers decode (Tq == 1)")
+        _mosaic_support(implementation, q, k_pool, v_pool, block_size, bias_pool)
+        from .decode import paged_sparse_decode_attention
+
+        out = paged_sparse_decode_attention(q[:, 0], k_pool, v_pool, slots[:, :, 0],
+                                            block_ids[:, :, 0].astype(jnp.int32),
+                                            q_positions[:, 0].astype(jnp.int32), config=config,
+                                            interpret=interpret_params(implementation))
+        return out[:, None]
+    return run
+
+
+for _name in ("mosaic_gpu", "mosaic_gpu_interpret"):
+    PAGED_BACKENDS.register(_name)(_paged_mosaic(_name))
+
+
+def paged_sparse_attention(q, k_pool, v_pool, slots, block_ids, q_positions, *, block_size: int = 64,
+                           bias_pool=None, implementation: str | None = None, config=None):
+    """Block-sparse attention reading K/V through a slot table (the engine's block cache).
+
+    q [B, Tq, H, D]; k_pool, v_pool [B, K, n_slots, block_size, D]; slots and block_ids int
+    [B, K, Tq, n]: block block_ids[i] sits in slot slots[i] (block id < 0: padding);
+    bias_pool optional [B, K, n_slots, block_size]. -> [B, Tq, H, D] in q's dtype, the result of
+    `sparse_attention` on the contiguous cache.
+
+    implementation: "xla", or "mosaic_gpu" / "mosaic_gpu_interpret": the paged decode kernel
+    (Tq == 1, no bias, 64-token blocks, bf16/f16, block ids ascending and unique with -1 padding
+    at the end, as the selectors emit them); None: the first of DEFAULT_ORDER that supports the
+    inputs. config: the kernel's `decode.DecodeConfig` (None: its defaults).
+    """
+    return PAGED_BACKENDS(implementation, DEFAULT_ORDER, q, k_pool, v_pool, slots, block_ids, q_positions,
+                          block_size=block_size, bias_pool=bias_pool, config=config)

@@ -1,0 +1,93 @@
+"""The shared base of the kernel tests (tests/test_kernel_*.py): what each test level can run
+(capabilities), the tolerances with their reasons, and the checks every kernel test makes.
+
+Three levels, as every Mosaic GPU kernel has them:
+- interpret: the kernel under Pallas' Mosaic GPU interpreter on the CPU (`INTERPRET`), random
+  inputs against the op's jnp reference;
+- lowering: the compiled form lowered for sm_90 on the CPU (`lower_for_hopper`): layouts, TMA
+  shapes, wgmma rules and the SMEM budget, without a GPU;
+- compiled: on a GPU, marked `gpu` (conftest.py skips those without one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+# ------------------------------------------------------------------------------ capabilities
+
+INTERPRET = plgpu.InterpretGPUParams()
+gpu = pytest.mark.gpu  # compiled on a CUDA GPU; skipped without one
+
+
+def interpret(*, detect_races: bool = False):
+    """Interpreter parameters; detect_races runs the interpreter's race detector."""
+    return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+# Interpreting a warp-specialized kernel (3 warpgroups, each its own XLA CPU computation whose
+# host callbacks block on simulated barriers) needs the CPU client conftest.py makes: a pool of
+# >= 8 threads and synchronous dispatch. A client created without them can deadlock.
+WS_INTERPRET_SAFE = (int(os.environ.get("PJRT_NPROC", "0")) >= 8
+                     and not jax.config.read("jax_cpu_enable_async_dispatch"))
+needs_ws_interpreter = pytest.mark.skipif(not WS_INTERPRET_SAFE, reason=(
+    "the CPU client lacks PJRT_NPROC >= 8 and synchronous dispatch (tests/conftest.py): interpreting the "
+    "3-warpgroup kernel may deadlock"))
+
+
+def lower_for_hopper(fn, *args, **kwargs):
+    """Trace `fn` under jit and lower it for CUDA: the Mosaic GPU lowering for sm_90 runs on the CPU."""
+    return jax.jit(fn).trace(*args, **kwargs).lower(lowering_platforms=("cuda",))
+
+
+# -------------------------------------------------------------------------------- tolerances
+
+# The attention kernels round P to q's dtype before the PV matmul and round their output; the
+# plain jnp path in q's dtype only rounds its output. So a kernel may carry up to this many
+# times the plain path's error against the f32 reference (FlashAttention's tests do the same).
+ROUNDED_P_FACTOR = 3.0
+# The plain path's error is floored here: with f32-exact inputs it could be ~0 and demand an
+# exact kernel, which rounds P to 16 bits.
+PLAIN_ERROR_FLOOR = 1e-3
+# A kernel output against the "xla" backend's, both bf16 (dispatch tests): each carries ~2e-3
+# (decode, 1 query) to ~4e-3 (prefill, a longer softmax) relative rounding error, and the
+# kernel also rounds P to bf16.
+BF16_PAIR_DECODE = 5e-3
+BF16_PAIR_PREFILL = 1e-2
+# A bf16 model run through the kernel against the same model through "xla": the rounding of
+# every layer's attention compounds over the layers and steps.
+BF16_MODEL = 2e-2
+# Block selection is exact: the kernels and the reference rank the same scores, ties to the
+# lower id, so ids compare equal (no tolerance), except where noted at the test (f32 sums in
+# another order may swap exact near-ties on the GPU).
+
+
+# ------------------------------------------------------------------------------------ checks
+
+def rel_error(a, ref) -> float:
+    """||a - ref|| / ||ref||, in float64."""
+    a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(a - ref) / np.linalg.norm(ref))
+
+
+def assert_attention_close(out, exact, plain, like):
+    """A kernel's attention output `out` against the f32 reference `exact`, given the plain jnp
+    path's output `plain` in the kernel's dtype; `like` is the query (out's shape and dtype)."""
+    chex.assert_equal_shape([out, like])
+    chex.assert_type(out, like.dtype)
+    chex.assert_tree_all_finite(out.astype(jnp.float32))
+    err, base = rel_error(out, exact), rel_error(plain, exact)
+    assert err <= ROUNDED_P_FACTOR * max(base, PLAIN_ERROR_FLOOR), (err, base)
+
+
+def assert_ids_equal(got, want):
+    """Selected block ids: int32, the reference's shape, equal id for id."""
+    chex.assert_type(got, jnp.int32)
+    chex.assert_shape(got, np.shape(want))
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

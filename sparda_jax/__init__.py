@@ -11,6 +11,7 @@ from .compress import CompressedKeys, compress_keys
 from .forecast import forecast_param_count, init_forecast
 from .model import KVCache, layered_params, param_count
 from .modes import MODES, DecodeState, decode_step, forward, forward_cached, prefill
+from .nn import BlockSelector, Forecast, SparseAttention
 from .select import select_blocks_forecast, select_blocks_infllmv2, select_blocks_nosa
 from .attention import sparse_attention
 
@@ -18,6 +19,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MODES",
+    "BlockSelector",
+    "Forecast",
+    "SparseAttention",
     "CompressedKeys",
     "DecodeState",
     "compress_keys",

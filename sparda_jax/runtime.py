@@ -3,18 +3,14 @@
 CUDA's launch queues. A full-depth decode step of minicpm4.1-8b enqueues ~1400 kernels (32
 layers of ~45), more than CUDA's default launch queues hold. Once a queue is full, each further
 launch (kernel, or graph node) waits on the host for the device to drain it, so the host can
-no longer run ahead of the device: on the H200 at batch 8, 128K, the SparDA step took 12.1 ms
-with the default queues and 9.4 ms with `CUDA_SCALE_LAUNCH_QUEUES=4x`; its host time 12.4 ms
-and 7.0 ms (bench/results/decode_depth_graph.json, decode_depth_queue4x.json, one call).
+no longer run ahead of the device (docs/decisions.md, "CUDA's launch queues at 4x").
 CUDA reads the variable when it initialises, so it has to be set before JAX first touches the
 GPU: `set_launch_queues` sets it, and refuses once JAX already runs on a GPU.
 
 CUDA's module loading. CUDA loads kernels lazily by default (since 12.2), at their first launch
-or graph capture, and a load may synchronise the context. The doorbell copies
-(`copy_start="doorbell"`) run a persistent server beside the step that spins until a ring later
-on XLA's stream: a kernel first loaded between them (our rings, which the doorbell now loads at
-its init, or a cuBLAS or XLA kernel first used by the step) waits for the server, which waits
-for the ring. `set_eager_module_loading` sets CUDA_MODULE_LOADING=EAGER, under the same rule.
+or graph capture, and a load may synchronise the context. A persistent copy server that spins
+beside the step until a later kernel on XLA's stream rings it would then deadlock with any
+kernel first loaded in between (a cuBLAS or XLA kernel first used by the step). `set_eager_module_loading` sets CUDA_MODULE_LOADING=EAGER, under the same rule.
 """
 
 from __future__ import annotations

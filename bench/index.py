@@ -18,7 +18,7 @@ import sys
 
 from sparda_jax.bench.decode import PAPER_DECODE_128K
 
-__all__ = ["FOLDERS", "FILES", "PAPER_PREFILL_128K", "PAPER_CTA_32K", "render", "main"]
+__all__ = ["FOLDERS", "FILES", "PAPER_PREFILL_128K", "PAPER_CTA_32K", "PAPER_SELECT_SPEEDUP_128K", "render", "main"]
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
@@ -26,6 +26,9 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 # (SparDA decode tokens/s against the copy kernel's CTA count, 32K, H100).
 PAPER_PREFILL_128K = {"dense_resident": 8085.8, "sparse": 13661.8, "sparda": 17087.6}
 PAPER_CTA_32K = {16: {16: 918.5, 64: 737.3}, 64: {16: 1255.9, 64: 1380.2}}
+# The paper's Fig. 3 (128K, batch 4): InfLLM-V2's selection time over the Forecast's, "up to" the
+# prefill figure and "more than" the decode one.
+PAPER_SELECT_SPEEDUP_128K = {"prefill": 2.50, "decode": 2.0}
 
 LABELS = {"dense_resident": "Dense+", "sparse_resident": "Sparse+", "sparse": "Sparse", "infinigen": "InfiniGen",
           "sparda_sync": "SparDA-no-prefetch", "sparda": "SparDA"}
@@ -198,6 +201,20 @@ def _cta_section() -> list[str]:
     return lines
 
 
+def _select_section() -> list[str]:
+    rel = "select/selectors.json"
+    d = _load(rel)
+    lines = ["### Selection at 128K, batch 4: InfLLM-V2's time / the Forecast's (paper Fig. 3, H100; ours H200, "
+             "the fastest variant of each)", "",
+             "| phase | paper | ours | ours from (commit) |", "|---|---|---|---|"]
+    for phase, bound in (("prefill", "up to"), ("decode", "more than")):
+        for c in d.get("claims") or []:
+            if c["claim"].startswith(f"{phase} T=131072 B=4: InfLLM-V2 time / Forecast time"):
+                lines.append(f"| {phase} | {bound} {_f(PAPER_SELECT_SPEEDUP_128K[phase])} | {_f(c['value'])} | "
+                             f"`{rel}` ({_provenance(d)[0]}) |")
+    return lines
+
+
 def _train_section() -> list[str]:
     lines = ["### Forecast training step, minicpm4.1-8b shapes, 32 layers, bf16 (no paper figure)", "",
              "| file | tokens | step seconds (median) | tokens/s | peak GiB | commit |", "|---|---|---|---|---|---|"]
@@ -253,7 +270,7 @@ def render() -> str:
              "its run. Superseded runs were removed; git history keeps them. Why each result matters: "
              "`docs/decisions.md`.", "",
              "## The paper beside ours", ""]
-    for section in (_decode_section, _prefill_section, _cta_section, _train_section):
+    for section in (_decode_section, _prefill_section, _cta_section, _select_section, _train_section):
         lines += section() + [""]
     lines += _claims_section() + [""] + _folders_section()
     return "\n".join(lines).rstrip() + "\n"

@@ -65,6 +65,7 @@ def test_table_numbers_come_from_the_jsons_and_the_paper():
     walk(PAPER_DECODE_128K, "paper")
     walk(index.PAPER_PREFILL_128K, "paper")
     walk(index.PAPER_CTA_32K, "paper")
+    walk(index.PAPER_SELECT_SPEEDUP_128K)
     base = sorted(v for v in values if v > 0)
     derived = {round(v, 4) for v in base}
     derived |= {v / 2**30 for v in base}

@@ -1,4 +1,4 @@
-"""InfiniGen's offline setup, adapted to GQA and 64-token blocks (SPEC.md section 6).
+"""InfiniGen's offline setup, adapted to GQA and 64-token blocks (docs/algorithm.md, "Modes").
 
 InfiniGen (Lee et al., OSDI'24) speculates layer l's attention from layer l-1's normed input:
 a partial query (layer l's W_q on that input, RoPE, then a skew and a cut to the few columns

@@ -1,4 +1,4 @@
-"""Forecast training targets and the partition KL (SPEC.md section 4).
+"""Forecast training targets and the partition KL (docs/algorithm.md, "Training the Forecast").
 
 Two grids, kept apart on purpose: compressed positions (chunks of the (32, 16) key compression;
 `ForecastConfig.supervision_k` counts these) and 64-token blocks (`SparseConfig.topk` counts
@@ -129,8 +129,7 @@ def layer_loss(f, q, k, q_positions, sparse: SparseConfig, fc: ForecastConfig, *
     The gradient with respect to f is computed chunk by chunk in the forward pass and is the
     only thing kept for the backward pass (a custom VJP). Differentiating through the chunk scan
     instead made JAX stack each chunk's masks as residuals, [T, T]-sized per layer even under
-    `jax.checkpoint` (32 GiB of them for minicpm4.1-8b at 32K: the out-of-memory of the first
-    32K training run); the fused gradient keeps memory at O(q_chunk * S) plus f's own size.
+    `jax.checkpoint` (32 GiB of them for minicpm4.1-8b at 32K); the fused gradient keeps memory at O(q_chunk * S) plus f's own size.
     """
     return _layer_loss(f, jax.lax.stop_gradient(q), jax.lax.stop_gradient(k), q_positions, sparse, fc, q_chunk)
 

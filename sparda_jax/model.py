@@ -251,9 +251,8 @@ def layered_params(params: dict) -> dict:
     """`params` with "layers" as a tuple of per-layer trees (no leading L axis), each leaf its
     own buffer. The decode paths that run the layers as a Python loop (the offload engine, a
     layered `modes.decode_step`) then give each layer's weights to its GEMMs as they are. Taken
-    from the stack, a layer's weights are a slice, and XLA copies a slice that feeds a cuBLAS
-    call: on the H200 each layer's o_proj kernel (33.5 MB for minicpm4.1-8b) was copied every
-    decode step, though the step's time moved within noise (bench/results/decode_weights_*.json).
+    from the stack, a layer's weights are a slice, and XLA may copy a slice that feeds a cuBLAS
+    call every step (docs/decisions.md, "Per-layer weights in the engine's loop").
     Slicing here copies once, so the weights are held twice while the caller keeps the stacked
     tree. The scans (prefill, training, a stacked decode state) stack a layered tree back inside
     their jit (`stacked`): a copy of the weights per call."""

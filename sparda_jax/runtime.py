@@ -3,9 +3,7 @@
 CUDA's launch queues. A full-depth decode step of minicpm4.1-8b enqueues ~1400 kernels (32
 layers of ~45), more than CUDA's default launch queues hold. Once a queue is full, each further
 launch (kernel, or graph node) waits on the host for the device to drain it, so the host can
-no longer run ahead of the device: on the H200 at batch 8, 128K, the SparDA step took 12.1 ms
-with the default queues and 9.4 ms with `CUDA_SCALE_LAUNCH_QUEUES=4x`; its host time 12.4 ms
-and 7.0 ms (bench/results/decode_depth_graph.json, decode_depth_queue4x.json, one call).
+no longer run ahead of the device (docs/decisions.md, "CUDA's launch queues at 4x").
 CUDA reads the variable when it initialises, so it has to be set before JAX first touches the
 GPU: `set_launch_queues` sets it, and refuses once JAX already runs on a GPU.
 """

@@ -57,7 +57,7 @@ def forecast_loss(forecast, backbone, tokens, config: ModelConfig, *, dtype="flo
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """The paper's recipe by default (SPEC.md section 4): AdamW, constant lr 5e-4, weight decay
+    """The paper's recipe by default (docs/algorithm.md, "Training the Forecast"): AdamW, constant lr 5e-4, weight decay
     0.01, betas (0.9, 0.95), eps 1e-6, grad-norm clip 0.5, effective batch 32, 2000 steps, bf16."""
 
     seq_len: int = 4096

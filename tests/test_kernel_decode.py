@@ -245,13 +245,15 @@ def test_paged_dispatch():
 @gpu
 def test_engine_attends_through_the_paged_kernel():
     # On the CPU the interpreter cannot run inside the engine's jit (its lowering fails on the
-    # interpreter's callbacks there), so the engine-level check is compiled, on the GPU.
+    # interpreter's callbacks there), so the engine-level check is compiled, on the GPU. The
+    # implementation applies to every sparse attention of the run (the prefill kernel too, which
+    # takes head dim 128 only).
     from engine_runs import sparda_bf16_decode
 
     from sparda_jax import SparseConfig, get_preset
 
     sp = SparseConfig(local_blocks=1, topk=4, dense_len=0)
-    cfg = get_preset("tiny").replace(num_layers=2, head_dim=64, sparse=sp)
+    cfg = get_preset("tiny").replace(num_layers=2, head_dim=128, sparse=sp)
     # 70 steps cross block boundaries: completed blocks go to the host
     run = dict(tok_len=400, lengths=[320, 301], cache_size=448, steps=70)
     outs = {impl: sparda_bf16_decode(cfg, sparse_attention=impl, **run) for impl in ("mosaic_gpu", "xla")}

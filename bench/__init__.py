@@ -1,1 +1,1 @@
-"""Efficiency benchmarks (BENCHMARKS.md); each writes bench/results/<name>.json."""
+"""Efficiency benchmarks; each writes its JSON (with provenance) under bench/results/<benchmark>/."""

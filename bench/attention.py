@@ -23,7 +23,7 @@ time but is flagged and excluded from "best". Block ids come from a real selecto
 Forecast selector) on random inputs: random weights choose nearly random content blocks, the
 worst case for the prefill kernel's per-tile block union, which is measured and reported.
 
-    sparda bench attention --out bench/results/attention.json
+    sparda bench attention --out bench/results/attention/attention.json
 """
 
 from __future__ import annotations
@@ -519,7 +519,7 @@ def table(r: dict) -> str:
 
 
 def plot(json_path) -> str | None:
-    """bench/results/attention.png from the JSON; None when matplotlib is missing."""
+    """The PNG beside the JSON; None when matplotlib is missing."""
     plt, r = pyplot_and_result(json_path)
     if plt is None:
         return None
@@ -547,7 +547,7 @@ def plot(json_path) -> str | None:
 
 
 def main(args) -> int:
-    out = args.out or "bench/results/attention.json"
+    out = args.out or "bench/results/attention/attention.json"
     r = bench_attention(args.preset, lengths=tuple(args.lengths or (32768, 65536, 131072)),
                         batch=args.batch or 4, decode_batches=tuple(args.decode_batches or (16, 64)),
                         repeats=args.repeats, variants=args.variants, timed_queries=args.timed_queries or 2048,

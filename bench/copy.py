@@ -15,7 +15,7 @@ the claim is overlapped <= 1.1 x max(compute alone, copy alone). Write-back (`sc
 blocks written into a large host pool in place, timed against the pool size (it must not move
 the pool).
 
-    sparda bench copy --out bench/results/copy.json
+    sparda bench copy --out bench/results/copy/copy.json
 """
 
 from __future__ import annotations

@@ -18,9 +18,8 @@ Per configuration (mode, context, batch):
                generation loop that keeps its tokens on the device runs them: the host dispatches
                step i+1 while step i runs. Then `steps` more each timed with its own
                block_until_ready (sync_*: median, min, max), which adds the host's dispatch of
-               every step to the device time (~1.7 ms on the H200 at 4 layers, the trace in
-               bench/results/profiles/decode_sparse_T131072_B8_a3cd03f.trace.json.gz); scaled by
-               the layer factor below, that fixed cost would count 8x
+               every step to the device time; scaled by the layer factor below, that fixed cost
+               would count as often as the layers do
   traffic      miss rate = copied / selected blocks over the timed steps; bytes copied per step
 Layers: `layers` are built and timed and the step time is scaled by full / timed layers (every
 layer >= 1 does the same work; layer 0, resident, and the embedding/LM head are counted as if
@@ -33,8 +32,8 @@ emulation of a lower miss rate, labelled so; `--real-miss-rate` derives f from a
 measured on a real model (f = 1 - real / random), `real_miss_rate` measures one (SmolLM2 on real
 text) when the model is installed.
 
-    sparda bench decode --out bench/results/decode.json
-    sparda bench cta --out bench/results/cta.json
+    sparda bench decode --out bench/results/decode/decode.json
+    sparda bench cta --out bench/results/cta/cta.json
 """
 
 from __future__ import annotations
@@ -982,13 +981,13 @@ def main(args) -> int:
     if args.name == "cta":
         if args.ctas and "auto" in args.ctas:
             raise SystemExit("sparda bench cta: --ctas takes counts; the sweep adds the autotuned choice itself")
-        out = args.out or "bench/results/cta.json"
+        out = args.out or "bench/results/cta/cta.json"
         r = bench_cta(args.preset, context=(args.lengths or [32768])[0], batches=tuple(args.batches or (16, 64)),
                       ctas=tuple(args.ctas or (8, 16, 32, 64)), layers=args.layers or 4, steps=args.repeats,
                       budget_s=args.budget_s if args.budget_s is not None else 90.0, out=out)
         printer = cta_table
     else:
-        out = args.out or "bench/results/decode.json"
+        out = args.out or "bench/results/decode/decode.json"
         real = _parse_real(args.real_miss_rate)
         r = bench_decode(args.preset, lengths=tuple(args.lengths or (131072,)), batches=tuple(args.batches or (4, 8, 16, 32)),
                          modes=tuple(args.modes or MODES), layers=args.layers or 4, steps=args.repeats,

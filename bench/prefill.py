@@ -17,7 +17,7 @@ K and V, which depend on every earlier layer's attention.
 
 Inputs: random tokens by default. Every position's query is then independent, so each token
 selects nearly random blocks and a kernel tile of 4-8 tokens walks several times the selected
-blocks (2.3x for tiles of 8 at 32K, bench/results/union_cpu_rho0.json; more at 128K, where there
+blocks (2.3x for tiles of 8 at 32K, attention/union_cpu_rho0.json; more at 128K, where there
 are more blocks to choose from); real text selects nearly the same blocks for neighbours
 (SmolLM2: 1.12-1.30x for tiles of 8, eval/results/tile_union_smollm2.json). `input_correlation`
 rho > 0 gives the params an embedding table whose rows are AR(1) along the row index
@@ -25,7 +25,7 @@ rho > 0 gives the params an embedding table whose rows are AR(1) along the row i
 states are alike along positions, with the model code unchanged. Each sparse row reports the
 tile union its selections really have (`_union`), so a reader sees which regime was timed.
 
-    sparda bench prefill --out bench/results/prefill.json
+    sparda bench prefill --out bench/results/prefill/prefill.json
 """
 
 from __future__ import annotations
@@ -314,7 +314,7 @@ def plot(json_path) -> str | None:
 
 
 def main(args) -> int:
-    out = args.out or "bench/results/prefill.json"
+    out = args.out or "bench/results/prefill/prefill.json"
     b = (args.batches or [args.batch or 4])[0]
     r = bench_prefill(args.preset, lengths=tuple(args.lengths or (131072, 65536, 32768)), batch=b,
                       systems=tuple(args.modes or SYSTEMS), layers=args.layers or 2, repeats=args.repeats,

@@ -1,7 +1,7 @@
 """Where a jitted step's time goes: a `jax.profiler` trace of a few calls, reduced to a summary
 that fits in a benchmark row.
 
-The decode benchmark found steps 3-5x above their floors (bench/results/decode.json) with no
+The decode benchmark found steps 3-5x above their floors (decode/ results) with no
 host synchronisation in the copy engine; the timings alone cannot say whether the device is busy
 (a slow kernel), idle between kernels (launch- or host-bound), or waiting on the copy stream.
 The profiler's Chrome-trace JSON (`*.trace.json.gz`, written beside the xplane) answers that,
@@ -264,7 +264,7 @@ def after_copy(trace: dict, kind: str = "scatter") -> dict:
     """Median us of the `kind` kernels on XLA's stream by where they run: first after a copy
     engine kernel (its synchronous copy, or the doorbell's wait), second in a run of them that
     began there, or elsewhere. On the H200 the new token's scatters ran 2-4x longer right after a
-    copy than scatters elsewhere (bench/results/layer_breakdown_*.json)."""
+    copy than scatters elsewhere (profiles/layer_breakdown_*.json)."""
     main = _main_stream(trace)
     groups = {"first": [], "second": [], "elsewhere": []}
     for i, e in enumerate(main):

@@ -16,7 +16,7 @@ evenly over the sequence) and is scaled by T / timed_queries to a per-layer time
 layers inside one jit (lax.map), each with its own compressed keys, so dispatch overhead and L2
 reuse between layers do not flatter a ~10 us selector.
 
-    sparda bench select --out bench/results/select.json
+    sparda bench select --out bench/results/select/select.json
 """
 
 from __future__ import annotations
@@ -345,7 +345,7 @@ def table(r: dict) -> str:
 
 
 def plot(json_path) -> str | None:
-    """bench/results/select.png from the JSON; None when matplotlib is missing."""
+    """The PNG beside the JSON; None when matplotlib is missing."""
     plt, r = pyplot_and_result(json_path)
     if plt is None:
         return None
@@ -368,7 +368,7 @@ def plot(json_path) -> str | None:
 
 
 def main(args) -> int:
-    out = args.out or "bench/results/select.json"
+    out = args.out or "bench/results/select/select.json"
     r = bench_select(args.preset, lengths=tuple(args.lengths or (32768, 65536, 131072)), batch=args.batch or 4,
                      decode_batches=tuple(args.decode_batches or (args.batch or 4,)), repeats=args.repeats,
                      variants=args.variants, timed_queries=args.timed_queries or 8192,

@@ -2,7 +2,7 @@
 (random weights: the time does not depend on them). Reports the step time, tokens/s and the
 device's peak memory.
 
-    sparda bench train --preset minicpm4.1-8b --seq-len 32768 --out bench/results/train.json
+    sparda bench train --preset minicpm4.1-8b --seq-len 32768 --out bench/results/train_step/train.json
 """
 
 from __future__ import annotations

@@ -44,8 +44,7 @@ def assign_slots(table: jax.Array, wanted: jax.Array, *, reuse: bool = True) -> 
     free = ~keep
     missing = valid & ~resident
     # the rank of each missing block among the missing ones: a masked sum over a triangle, not
-    # jnp.cumsum, which XLA's GPU backend lowered to a reduce_window run by one CTA of n threads
-    # (9.7 us of each decode layer at batch 8, bench/results/layer_breakdown_2e96975.json)
+    # jnp.cumsum, which XLA's GPU backend lowers to a reduce_window run by one CTA of n threads
     ar = jnp.arange(n)
     upto = (ar[None, :] <= ar[:, None]).reshape((1,) * (wanted.ndim - 1) + (n, n))
     miss_rank = jnp.sum(missing[..., None, :] & upto, axis=-1) - 1  # [..., n]

@@ -312,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int)
     t.set_defaults(fn=_cmd_train)
 
-    bn = sub.add_parser("bench", help="efficiency benchmarks (BENCHMARKS.md); JSON under bench/results")
+    bn = sub.add_parser("bench", help="efficiency benchmarks; JSON under bench/results/<benchmark>/")
     bn.add_argument("name", choices=["train", "copy", "select", "attention", "prefill", "decode", "cta"])
     bn.add_argument("--preset", default="minicpm4.1-8b")
     bn.add_argument("--seq-len", type=int, default=32768)
@@ -328,9 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--batch", type=int, help="select/attention: prefill batch (default 4)")
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
-    bn.add_argument("--variants", nargs="+", help="select: forecast_xla[@mosaic_topk] infllmv2_xla[@mosaic_topk] "
-                                                  "forecast_mosaic[@topk_impl] infllmv2_mosaic[@topk_impl]; "
-                                                  "attention: xla cudnn mosaic_gpu dense_xla")
+    bn.add_argument("--variants", nargs="+", help="select: forecast_xla infllmv2_xla forecast_mosaic infllmv2_mosaic; "
+                                                  "attention: xla cudnn mosaic_gpu mosaic_gpu@ws dense_xla")
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
     bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")
@@ -383,7 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")
-    bn.add_argument("--out", help="result JSON (e.g. bench/results/train.json)")
+    bn.add_argument("--out", help="result JSON (default: bench/results/<benchmark>/<name>.json)")
     bn.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("info", help="list the presets with their parameter counts")

@@ -1,6 +1,6 @@
 """Independent, slow, loop-by-loop NumPy reference for block selection and block-sparse attention.
 
-Written from /work/shared/SPEC.md (sections 2, 3, 6) only; it imports nothing from the project.
+Written from the algorithm alone (docs/algorithm.md, sections 2, 3, 6); it imports nothing from the project.
 Everything is plain Python loops over float64 numbers so that each rule can be read off directly.
 
 Shapes: B batch, T tokens, H query heads, K kv heads, G = H // K, D head dim.

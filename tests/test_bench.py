@@ -313,9 +313,9 @@ def test_decode_decomposition_splits_the_speedup_like_the_papers_tables(tmp_path
     assert bt["variant"] == "reuse=0.62" and bt75["variant"] == "reuse=0.75"
     assert bt["factors"] == {"total": pytest.approx(1.7), "copy_free": pytest.approx(510.0 / tps["sparse_resident"])}
     assert bt75["factors"]["total"] == pytest.approx(1.25)
-    # the paper's own split (SPEC.md section 7): 1.69 at batch 8; at batch 4 its SparDA beats the
+    # the paper's own split (docs/algorithm.md, section 7): 1.69 at batch 8; at batch 4 its SparDA beats the
     # copy-free Sparse+ (240.2 against 189.5), its selector alone giving 247.3 / 167.8 (abs 5e-3: the
-    # ratios as SPEC.md rounds them, to two decimals)
+    # ratios as the paper rounds them, to two decimals)
     assert set(d["paper_h100_128k"]) == {"4", "8"}
     assert d["paper_h100_128k"]["8"] == {"total": pytest.approx(1.69, abs=5e-3)}
     assert d["paper_h100_128k"]["4"]["copy_free"] == pytest.approx(1.27, abs=5e-3)
@@ -425,7 +425,7 @@ def test_decode_bench_reports_what_does_not_fit():
     host, dev = 128 * 2**30, 141 * 10**9  # the H200 machine
     f16 = feasibility(full, "sparda", batch=16, context=131072, weights=w, host_bytes=host, device_bytes=dev)
     f32 = feasibility(full, "sparda", batch=32, context=131072, weights=w, host_bytes=host, device_bytes=dev)
-    assert f16["fits"] and 60e9 < f16["host_need_bytes"] < 75e9  # BENCHMARKS.md: ~69 GB
+    assert f16["fits"] and 60e9 < f16["host_need_bytes"] < 75e9  # docs/algorithm.md, section 5: ~69 GB
     assert not f32["fits"] and "host needs" in f32["reason"]
     dense = feasibility(full, "dense_resident", batch=32, context=131072, weights=w, host_bytes=host, device_bytes=dev)
     assert not dense["fits"] and "device needs" in dense["reason"]

@@ -203,7 +203,7 @@ def test_bf16_forward_close_to_f32(tiny_params):
                  dtype=jnp.bfloat16)
     assert bf.dtype == jnp.float32
     rel = float(jnp.linalg.norm(bf - f32) / jnp.linalg.norm(f32))
-    assert rel < 2e-2, rel  # bf16 operands: relative error between 1e-3 and 1e-2 (METHOD.md)
+    assert rel < 2e-2, rel  # bf16 operands: relative error between 1e-3 and 1e-2 (docs/decisions.md, "Tolerances for low-precision operands")
 
 
 def test_forward_rejects_bad_tokens(tiny_params):

@@ -256,7 +256,7 @@ def test_sparse_attention_bf16_error_is_bf16_sized():
                           block_size=block)
     assert bf.dtype == jnp.bfloat16
     rel = np.linalg.norm(np.asarray(bf, np.float64) - exact) / np.linalg.norm(exact)
-    assert 1e-4 < rel < 1e-2, rel  # bf16 operands (METHOD.md: 1e-3..1e-2); > 1e-4 shows bf16 was used
+    assert 1e-4 < rel < 1e-2, rel  # bf16 operands (docs/decisions.md, "Tolerances for low-precision operands": 1e-3..1e-2); > 1e-4 shows bf16 was used
 
 
 def test_sparse_attention_rejects_bad_ids():

@@ -6,7 +6,7 @@ are the subpackages `sparda_jax.kernels`, `sparda_jax.train`, `sparda_jax.infer`
 
 from .api import Pretrained, init_model, load_pretrained
 from .attention import dense_attention
-from .config import ConfigError, ForecastConfig, LongRoPEConfig, ModelConfig, SparseConfig, get_preset, preset_names
+from .config import ConfigError, ForecastConfig, Implementations, LongRoPEConfig, ModelConfig, SparseConfig, get_preset, preset_names
 from .compress import CompressedKeys, compress_keys
 from .forecast import forecast_param_count, init_forecast
 from .model import KVCache, layered_params, param_count
@@ -35,6 +35,7 @@ __all__ = [
     "sparse_attention",
     "ConfigError",
     "ForecastConfig",
+    "Implementations",
     "KVCache",
     "LongRoPEConfig",
     "ModelConfig",

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, set_launch_queues
+from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, enable_compilation_cache, set_launch_queues
 
 __all__ = ["main"]
 
@@ -234,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--launch-queues", default="4x", choices=[*LAUNCH_QUEUE_SCALES, "default"],
                    help=f"CUDA's launch-queue multiplier ({LAUNCH_QUEUES}) for this run; an exported value wins. "
                         "A full-depth decode step outgrows the default queues (sparda_jax.runtime)")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
+                   help="do not keep compiled programs on disk (default: kept under $SPARDA_JAX_CACHE_DIR or "
+                        "~/.cache/sparda-jax, so a second run skips the first one's compiles)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(sp, default="smollm2-135m"):
@@ -398,6 +401,11 @@ def main(argv: list[str] | None = None) -> int:
             set_launch_queues(args.launch_queues)  # before any command touches the GPU
         except RuntimeError as e:  # main() called in a process already on the GPU: run, but say so
             print(f"sparda: warning: {e}", file=sys.stderr)
+    if args.compile_cache:
+        try:
+            enable_compilation_cache()
+        except OSError as e:  # an unwritable cache costs compile time, not the run
+            print(f"sparda: warning: {e}; running without the compilation cache", file=sys.stderr)
     try:
         return args.fn(args)
     except (FileNotFoundError, ValueError) as e:

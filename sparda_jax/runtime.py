@@ -6,14 +6,21 @@ launch (kernel, or graph node) waits on the host for the device to drain it, so 
 no longer run ahead of the device (docs/decisions.md, "CUDA's launch queues at 4x").
 CUDA reads the variable when it initialises, so it has to be set before JAX first touches the
 GPU: `set_launch_queues` sets it, and refuses once JAX already runs on a GPU.
+
+The compilation cache. `enable_compilation_cache` keeps XLA's compiled programs on disk, so a
+second process (a second `sparda generate`, a test worker) loads what an earlier one compiled.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from pathlib import Path
 
-__all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "set_launch_queues", "warn_if_default_launch_queues"]
+__all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "CACHE_DIR_VARIABLE", "default_cache_dir",
+           "enable_compilation_cache", "set_launch_queues", "warn_if_default_launch_queues"]
+
+CACHE_DIR_VARIABLE = "SPARDA_JAX_CACHE_DIR"
 
 LAUNCH_QUEUES = "CUDA_SCALE_LAUNCH_QUEUES"
 # the multipliers CUDA accepts for the variable
@@ -82,3 +89,30 @@ def warn_if_default_launch_queues(n_layers: int) -> None:
     warnings.warn(f"{n_layers}-layer offload decode with CUDA's default launch queues: the host blocks once they "
                   f"fill (~1400 launches a step at 32 layers). Export {LAUNCH_QUEUES}=4x, or call "
                   "sparda_jax.runtime.set_launch_queues() before JAX first uses the GPU.", stacklevel=3)
+
+
+def default_cache_dir() -> Path:
+    """$SPARDA_JAX_CACHE_DIR, else $XDG_CACHE_HOME/sparda-jax (default ~/.cache/sparda-jax)."""
+    if os.environ.get(CACHE_DIR_VARIABLE):
+        return Path(os.environ[CACHE_DIR_VARIABLE])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparda-jax"
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None, *, min_compile_s: float = 0.0) -> Path:
+    """Keep compiled programs under `directory`/xla (None: `default_cache_dir()`) for later
+    processes; programs that took less than `min_compile_s` to compile are not stored. Returns
+    the directory. Raises OSError naming it when it cannot be created or written."""
+    import jax
+
+    d = Path(directory) if directory is not None else default_cache_dir() / "xla"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(f"the compilation cache directory {d} is not writable: {e}") from e
+    jax.config.update("jax_compilation_cache_dir", str(d))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return d

@@ -20,6 +20,12 @@ jax.config.update("jax_cpu_enable_async_dispatch", False)
 # Implicit rank promotion hides shape bugs (nanodo does the same).
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# Compiled programs persist across test processes and runs (the xdist workers share them);
+# SPARDA_JAX_CACHE_DIR moves the cache, a fresh directory measures a cold run.
+from sparda_jax.runtime import default_cache_dir, enable_compilation_cache  # noqa: E402
+
+enable_compilation_cache(default_cache_dir() / "xla-tests", min_compile_s=0.1)
+
 
 def has_gpu() -> bool:
     try:

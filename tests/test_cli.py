@@ -110,3 +110,28 @@ def test_a_deep_gpu_decode_warns_once_about_default_launch_queues(monkeypatch):
         runtime.warn_if_default_launch_queues(32)
         runtime.warn_if_default_launch_queues(32)  # once per process
     assert len(w) == 1 and "CUDA_SCALE_LAUNCH_QUEUES=4x" in str(w[0].message)
+
+
+def test_a_second_process_loads_the_first_ones_compiled_programs(tmp_path):
+    """The CLI keeps compiled programs on disk (`runtime.enable_compilation_cache`): a second
+    process that compiles the same program finds it there and stores nothing new; with
+    --no-compile-cache nothing is written."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from sparda_jax.cli import main; import jax, jax.numpy as jnp; "
+            "sys.exit(main(sys.argv[1:] + ['info', '--model', 'tiny']) or "
+            "int(jax.jit(lambda x: jnp.tanh(x @ x.T).sum())(jnp.ones((256, 256))) != 256 * 256 * jnp.tanh(256.0)))")
+    env = {**os.environ, "SPARDA_JAX_CACHE_DIR": str(tmp_path / "cache"), "JAX_PLATFORMS": "cpu"}
+
+    def run(*flags):
+        out = subprocess.run([sys.executable, "-c", code, *flags], capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        d = tmp_path / "cache" / "xla"
+        return sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir()) if d.exists() else []
+
+    assert run("--no-compile-cache") == []
+    first = run()
+    assert any(n.startswith("jit__lambda") for n, _ in first), first
+    # the second process loaded every program: no entry was written again (a miss rewrites its entry)
+    assert run() == first

@@ -351,12 +351,16 @@ class OffloadKV(struct.PyTreeNode):
 
 def _own_buffer(x: jax.Array) -> jax.Array:
     """x, read through a buffer of the step's own instead of the input's. The positions are read
-    in every layer, and a step's inputs are new buffers every call; this one op keeps the step's
-    many readers off the input (it shortened the host's part of a full-depth step on the H200)."""
+    in every layer, and a step's inputs are new buffers every call: with one reader of the input,
+    XLA has fewer CUDA graphs to update when the input's buffer moves (docs/decisions.md, "The
+    step's positions are read once")."""
     return jax.lax.optimization_barrier(x + 1) - 1
 
 
 def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast, infinigen, *, run: _Run):
+    """One offload decode step: layer 0 from its `DecodeState`, layers 1..L-1 through
+    `OffloadKV` (sparda: each layer starts the next one's copy), then the write-back of the
+    blocks this step completed. Returns (logits [B, V], state, summed counters)."""
     plan = run.plan
     c = plan.config
     prefetch = run.engine.mode == "sparda"
@@ -402,6 +406,7 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     # each layer's copies are counted once, by the layer that consumes them
     stats = {k: jnp.sum(v) for k, v in info.items()}
     return unembed(params, x, c)[:, 0], new, stats
+
 
 def _flush_completed(run: _Run, state: OffloadState, pos) -> OffloadState:
     """Blocks whose last token was written this step go from their slot to the host. Each

@@ -1,7 +1,7 @@
 """Where a jitted step's time goes: a `jax.profiler` trace of a few calls, reduced to a summary
 that fits in a benchmark row.
 
-The decode benchmark found steps 3-5x above their floors (decode/ results) with no
+The decode benchmark found steps 3-5x above their floors (bench/results/decode.json) with no
 host synchronisation in the copy engine; the timings alone cannot say whether the device is busy
 (a slow kernel), idle between kernels (launch- or host-bound), or waiting on the copy stream.
 The profiler's Chrome-trace JSON (`*.trace.json.gz`, written beside the xplane) answers that,
@@ -41,7 +41,7 @@ from collections import defaultdict
 
 import jax
 
-__all__ = ["profile_calls", "summarize_trace", "profile_lines", "layer_breakdown", "KERNEL_KINDS"]
+__all__ = ["profile_calls", "summarize_trace", "profile_lines"]
 
 
 def _union_length(intervals) -> float:
@@ -227,79 +227,3 @@ def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", t
                 for t in p.get("host_api", [])[:top]]
     return out
 
-
-# Kernel kinds of a decode layer, by name (first match wins): XLA's Triton GEMM fusions and cuBLAS
-# (nvjet / cutlass), the Mosaic attention kernel, XLA's sorts (lax.top_k and the ids' sort), the
-# copy engine's kernels, then XLA's scatter, reduce and memcpy thunks; the rest is elementwise
-KERNEL_KINDS = (("matmul", ("gemm", "nvjet", "cublas", "cutlass")), ("attention", ("mosaic_gpu",)),
-                ("sort", ("sort",)), ("copy engine", ("doorbell_", "copy_blocks", "copy_groups")),
-                ("scatter", ("scatter",)), ("reduce", ("reduce",)), ("memcpy", ("memcpy", "Memcpy")))
-
-
-def _kind(name: str) -> str:
-    return next((k for k, keys in KERNEL_KINDS if any(x in name for x in keys)), "elementwise")
-
-
-def _upper_median(xs) -> float:
-    return float(sorted(xs)[len(xs) // 2])
-
-
-def _main_stream(trace: dict) -> list[dict]:
-    """The kernels of the device stream with the most of them (XLA's), in time order."""
-    ev = trace.get("traceEvents", [])
-    pname = {e["pid"]: e["args"]["name"] for e in ev if e.get("ph") == "M" and e.get("name") == "process_name"}
-    tname = {(e["pid"], e.get("tid")): e["args"]["name"] for e in ev
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    ks = [e for e in ev if e.get("ph") == "X" and "dur" in e and pname.get(e["pid"], "").startswith("/device:")
-          and tname.get((e["pid"], e.get("tid")), "").startswith("Stream")]
-    if not ks:
-        raise ValueError("no device kernels in the trace (a CPU run has no layer timeline)")
-    streams = defaultdict(list)
-    for e in ks:
-        streams[(e["pid"], e.get("tid"))].append(e)
-    return sorted(max(streams.values(), key=len), key=lambda e: e["ts"])
-
-
-def after_copy(trace: dict, kind: str = "scatter") -> dict:
-    """Median us of the `kind` kernels on XLA's stream by where they run: first after a copy
-    engine kernel (its synchronous copy, or the doorbell's wait), second in a run of them that
-    began there, or elsewhere. On the H200 the new token's scatters ran 2-4x longer right after a
-    copy than scatters elsewhere (profiles/layer_breakdown_*.json)."""
-    main = _main_stream(trace)
-    groups = {"first": [], "second": [], "elsewhere": []}
-    for i, e in enumerate(main):
-        if _kind(e["name"]) != kind:
-            continue
-        prev = [_kind(x["name"]) for x in main[max(i - 2, 0):i]]
-        if prev[-1:] == ["copy engine"]:
-            groups["first"].append(e["dur"])
-        elif prev == ["copy engine", kind]:
-            groups["second"].append(e["dur"])
-        else:
-            groups["elsewhere"].append(e["dur"])
-    return {k: {"kernels": len(v), "median_us": _upper_median(v) if v else None} for k, v in groups.items()}
-
-
-def layer_breakdown(trace: dict, marker: str = "doorbell_wait_kernel") -> dict:
-    """Where a decode layer's time goes on XLA's stream, from a device trace (`profile_calls`):
-    the layers are the spans between the ends of consecutive `marker` kernels (the doorbell's
-    waits: one per offloaded layer) on the stream with the most kernels. Per span: kernel time by
-    kind (`KERNEL_KINDS`, the markers themselves excluded), kernels, and the gaps (span minus kernel
-    time: launch latency between a graph's kernels). Medians over the spans, in us; the medians
-    of the kinds need not sum to the median span."""
-    main = _main_stream(trace)
-    ends = [i for i, e in enumerate(main) if marker in e["name"]]
-    if len(ends) < 2:
-        raise ValueError(f"fewer than two {marker!r} kernels on the main stream: no layer span")
-    spans = []
-    for a, b in zip(ends, ends[1:]):
-        t0, t1 = main[a]["ts"] + main[a]["dur"], main[b]["ts"]
-        if t1 - t0 > 50_000:  # 50 ms: the span crosses from one traced step to the next
-            continue
-        kinds = defaultdict(float)
-        for e in main[a + 1:b]:
-            kinds[_kind(e["name"])] += e["dur"]
-        spans.append({"span": t1 - t0, "kernels": b - a - 1, "gaps": t1 - t0 - sum(kinds.values()), **kinds})
-    med = lambda k: _upper_median([x.get(k, 0.0) for x in spans])
-    names = ["span", "kernels", "gaps"] + [k for k, _ in KERNEL_KINDS] + ["elementwise"]
-    return {"layers": len(spans), "marker": marker, "median_us": {k: round(med(k), 2) for k in names}}

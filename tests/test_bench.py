@@ -372,51 +372,6 @@ def test_select_bench_decode_only_names_each_implementation(tmp_path):
             selector(gone, SparseConfig(), 8)
 
 
-def test_layer_breakdown_of_a_known_trace():
-    from sparda_jax.bench.profile import layer_breakdown
-
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}},
-            {"ph": "M", "pid": 1, "tid": 9, "name": "thread_name", "args": {"name": "Stream #9"}}]
-    k = lambda ts, dur, name, tid=7: {"ph": "X", "pid": 1, "tid": tid, "ts": ts, "dur": dur, "name": name}
-    # three layers between four waits; layer i: a GEMM of 50 + i us, a sort of 10, a fusion of 5,
-    # then a gap before the next wait; the server kernel on stream 9 is not XLA's stream
-    xs, t = [k(0, 20, "doorbell_wait_kernel(Doorbell*, int, int*)")], 20
-    for i in range(3):
-        xs += [k(t + 1, 50 + i, "gemm_fusion_dot_1"), k(t + 60, 10, "sort_3_1"), k(t + 75, 5, "loop_add_fusion"),
-               k(t + 100, 3, "doorbell_wait_kernel(Doorbell*, int, int*)")]
-        t += 103
-    xs.append(k(0, 400, "doorbell_server_kernel", tid=9))
-    r = layer_breakdown({"traceEvents": meta + xs})
-    assert r["layers"] == 3
-    m = r["median_us"]
-    assert m["span"] == 100 and m["kernels"] == 3 and m["matmul"] == 51 and m["sort"] == 10
-    assert m["elementwise"] == 5 and m["gaps"] == 34 and m["copy engine"] == 0
-    with pytest.raises(ValueError, match="no device kernels"):
-        layer_breakdown({"traceEvents": meta[:1]})
-
-
-def test_scatters_after_a_copy_are_told_apart():
-    from sparda_jax.bench.profile import after_copy
-
-    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
-            {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7"}}]
-    rng = np.random.default_rng(3)
-    first, second, other = rng.uniform(6, 10, 5), rng.uniform(4, 6, 5), rng.uniform(1, 3, 10)
-    xs, t = [], 0.0
-    for i in range(5):  # a layer: copy, two scatters, a GEMM, two other scatters, a reduce
-        for dur, name in ((300, "copy_blocks_kernel(KernelPayloads)"), (first[i], "input_scatter_fusion_11"),
-                          (second[i], "input_scatter_fusion_10"), (50, "gemm_fusion_dot_2"),
-                          (other[2 * i], "input_scatter_fusion_15"), (other[2 * i + 1], "input_scatter_fusion_3"),
-                          (2, "input_reduce_fusion")):
-            xs.append({"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": float(dur), "name": name})
-            t += dur + 1
-    r = after_copy({"traceEvents": meta + xs})
-    assert {k: v["kernels"] for k, v in r.items()} == {"first": 5, "second": 5, "elsewhere": 10}
-    assert r["first"]["median_us"] == np.sort(first)[2] and r["second"]["median_us"] == np.sort(second)[2]
-    assert r["elsewhere"]["median_us"] == np.sort(other)[5]  # the upper median, as layer_breakdown's
-
-
 def test_decode_bench_reports_what_does_not_fit():
     from sparda_jax.bench.engine_state import bench_config, feasibility, weights_bytes
 

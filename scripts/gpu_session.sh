@@ -108,7 +108,7 @@ print(pipeline_table(bench_pipeline(blocks=(240,), ctas=(16,), threads=(256,), s
     attention-rho)  # prefill kernels vs cuDNN on selections as alike between neighbours as real ones
                     # (rho 0.99: SmolLM2's tile union, eval/results/tile_union_smollm2.json)
       timeout 200 python3 -m sparda_jax.cli bench attention --prefill-only --query-correlation 0.99 \
-        --variants cudnn mosaic_gpu mosaic_gpu@simple --out "$OUT/attention_rho099.json" 2>&1 | tail -12 ;;
+        --variants cudnn mosaic_gpu --out "$OUT/attention_rho099.json" 2>&1 | tail -12 ;;
     prefill-rho)  # prefill at 128K with inputs alike along positions (AR(1) embedding rows), whose selections'
                   # tile union is near SmolLM2's real one; each sparse row reports the union it timed
       timeout 250 python3 -m sparda_jax.cli bench prefill --lengths 131072 --budget-s 190 --input-correlation 0.999 \

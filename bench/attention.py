@@ -1,11 +1,8 @@
 """`sparda bench attention`: block-sparse attention vs cuDNN dense attention (paper Fig. 3, blue).
 
 Prefill (batch 4, causal, every query of the sequence):
-  mosaic_gpu  sparse_attention(..., implementation="mosaic_gpu"), Tq = T (the prefill kernel with
-              its default `PrefillConfig`, the 1-warpgroup "simple" variant; the union metadata is
-              built inside the timed call, as per layer)
-  mosaic_gpu@simple, mosaic_gpu@ws  the same with `PrefillConfig(variant=...)` named ("ws": 2 compute
-              warpgroups + a TMA warpgroup, twice the tile)
+  mosaic_gpu  sparse_attention(..., implementation="mosaic_gpu"), Tq = T (the prefill kernel; the
+              union metadata is built inside the timed call, as per layer)
   xla         the jnp reference, timed on an evenly spread query slice and scaled (it does the
               same work for every query)
   cudnn       jax.nn.dot_product_attention(is_causal=True, implementation="cudnn"), full T
@@ -44,7 +41,7 @@ from sparda_jax.compress import compress_keys
 from sparda_jax.config import get_preset
 from sparda_jax.envinfo import environment
 from sparda_jax.ops.sparse_attention.decode import DecodeConfig
-from sparda_jax.ops.sparse_attention.prefill import PrefillConfig
+from sparda_jax.ops.sparse_attention.prefill import tile_tokens_for
 from sparda_jax.metrics import tile_blowup, tile_union
 from sparda_jax.select import select_blocks_forecast
 
@@ -52,7 +49,7 @@ __all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plo
 
 # The kernels under test run last in each case: a fault that kills the process then loses only
 # them, and the JSON snapshot written after every variant keeps the rest.
-PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu@ws", "mosaic_gpu")
+PREFILL_VARIANTS = ("xla", "cudnn", "mosaic_gpu")
 DECODE_VARIANTS = ("xla", "cudnn", "mosaic_gpu", "mosaic_gpu@split", "mosaic_gpu@s2n4", "mosaic_gpu@s2n8",
                    "mosaic_gpu@s2n16", "mosaic_gpu@s3n4")
 # "mosaic_gpu@split": the default decode kernel's pass over the blocks alone, without the XLA combine
@@ -70,12 +67,7 @@ def _decode_choice(name: str) -> DecodeConfig | None:
     return None if m is None else DecodeConfig(stages=int(m[1]), n_split=int(m[2]))
 
 
-# the prefill kernel's tuning per variant name (None: its default)
-PREFILL_CONFIGS = {"mosaic_gpu": None, "mosaic_gpu@simple": PrefillConfig("simple"), "mosaic_gpu@ws": PrefillConfig("ws")}
-SPARSE = ("mosaic_gpu", "mosaic_gpu@simple", "mosaic_gpu@ws", "xla")
-# Query rows per tile of the prefill kernel: "ws" = 2 compute warpgroups x 64 rows, "simple" = 1;
-# a tile of 64 // G tokens x G heads per warpgroup (prefill.tile_tokens_for).
-KERNEL_TILE_ROWS = {"mosaic_gpu": 64, "mosaic_gpu@simple": 64, "mosaic_gpu@ws": 128, "xla": 128}
+SPARSE = ("mosaic_gpu", "xla")
 INTERPRETED = ("mosaic_gpu_interpret",)  # the kernels run by the CPU interpreter: harness tests only
 # bf16 rounding of P and of the output is ~2^-8 relative per element; the Frobenius error of a
 # correct bf16 kernel stays near 4e-3, a wrong block or mask gives O(1).
@@ -167,8 +159,9 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
     ids = jax.block_until_ready(_forecast_ids(kf, k, pos, sparse=sp, n_blocks=-(-t // bs), rho=query_correlation))
 
     att = np.asarray(attended_keys(ids, pos, block_size=bs)).astype(np.int64)  # [b, kh, t]
-    # The prefill kernel's tile: 2 warpgroups of 64 rows = 128 // G tokens x G heads.
-    tiles = sorted({8} | {max(1, rows // g) for rows in KERNEL_TILE_ROWS.values()})
+    # The prefill kernel's tile (64 // padded G tokens); 8: the tile the union is compared at.
+    kernel_tile = tile_tokens_for(g)
+    tiles = sorted({8, kernel_tile})
     unions = {tt: np.asarray(tile_union(ids, tile=tt)).astype(np.int64) for tt in tiles}
     u8 = unions[8]
     n_ids = np.asarray(jnp.sum(ids >= 0, axis=-1)).astype(np.int64)
@@ -211,8 +204,7 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
             if name in SPARSE:
                 r = ref("sparse")
                 impl = "xla" if name == "xla" else "mosaic_gpu"
-                fn = jax.jit(functools.partial(sparse_attention, block_size=bs, implementation=impl,
-                                               config=PREFILL_CONFIGS.get(name)))
+                fn = jax.jit(functools.partial(sparse_attention, block_size=bs, implementation=impl))
                 if full:
                     call = lambda fn=fn: fn(q, k, v, ids, pos)  # noqa: E731
                 else:
@@ -247,9 +239,8 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
             if name in SPARSE:
                 share = 1.0 if full else len(sl) / t
                 rec["floor_seconds"] = _floor(flops, io_bytes * share, ceil)
-                tt = max(1, KERNEL_TILE_ROWS[name] // g)
-                rec["union_tile_tokens"] = tt
-                rec["floor_union_seconds"] = _floor(flops_union[tt] * share, io_bytes * share, ceil)
+                rec["union_tile_tokens"] = kernel_tile
+                rec["floor_union_seconds"] = _floor(flops_union[kernel_tile] * share, io_bytes * share, ceil)
                 rec["achieved_over_union_floor"] = rec["floor_union_seconds"] / s
             else:
                 rec["floor_seconds"] = _floor(flops, io_bytes * (1.0 if full else len(sl) / t), ceil)

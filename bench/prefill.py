@@ -50,7 +50,8 @@ SYSTEMS = ("sparse", "sparda", "dense_resident")  # the claims' pair first
 LABELS = {"dense_resident": "Dense+", "sparse": "Sparse", "sparda": "SparDA"}
 REL_BOUND = 2e-2  # bf16 rounding through one attention + FFN; a wrong mask or block is O(1)
 TARGETS = {"sparse": 1.25, "dense_resident": 2.0}  # SparDA / Sparse, SparDA / Dense+ (paper 1.25, 2.11)
-# Query tokens per tile of the prefill kernel at G = 16 heads per KV head: "simple" 64 // G, "ws" 128 // G
+# Tiles of 4 tokens (the prefill kernel's, 64 // G at G = 16 heads per KV head) and of 8 (the
+# tile of the SmolLM2 figure below)
 UNION_TILES = (4, 8)
 # The selections' union is measured at min(T, this), batch 1: at 32K, 96 of 512 blocks is the share
 # SmolLM2's 24 of 128 had at 8K, so the numbers compare with its 1.12-1.30 directly, and one
@@ -179,7 +180,7 @@ def bench_prefill(preset: str = "minicpm4.1-8b", *, lengths=(131072, 65536, 3276
                                        f"{'the row T' if union_length is None else f'min(row T, {union_length})'}, batch 1; "
                                        f"for the last layer (also the mean over layers, as eval.selection reports "
                                        f"SmolLM2's), the mean over tiles of {' and '.join(map(str, UNION_TILES))} "
-                                       f"tokens (the prefill kernel's simple / ws tiles) of the union of their "
+                                       f"tokens (4: the prefill kernel's tile at G = 16) of the union of their "
                                        f"blocks over one token's selected count (sparda_jax.metrics.tile_blowup); "
                                        f"SmolLM2 on real text: {REAL_TILE8_UNION[0]}-{REAL_TILE8_UNION[1]} for "
                                        f"tiles of 8"}}

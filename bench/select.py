@@ -291,7 +291,7 @@ def bench_select(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131072
 
     for t in lengths if prefill else ():
         run("prefill", t, batch, prefill_select_case,
-            lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu@ws", "mosaic_gpu"),
+            lambda t, b: prefill_case(t, b, shape, ceil, variants=("xla", "mosaic_gpu"),
                                       timed_queries=attention_timed_queries, **attn_kw),
             timed_queries=timed_queries)
     for t in lengths if decode else ():

@@ -30,8 +30,8 @@ from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
 __all__ = ["eval_selection", "markdown_table"]
 
 
-# tokens per tile of the prefill kernel (kernels/sparse_prefill.tile_tokens_for): MiniCPM4.1's
-# group of 16 heads gives 4 ("simple") and 8 ("ws"); SmolLM2's group of 3 gives 16 and 32
+# tokens per tile of the prefill kernel (sparda_jax.ops.sparse_attention.prefill.tile_tokens_for):
+# MiniCPM4.1's group of 16 heads gives 4, SmolLM2's group of 3 gives 16; 8 lies between
 TILES = (4, 8, 16)
 
 

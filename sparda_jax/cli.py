@@ -332,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
     bn.add_argument("--variants", nargs="+", help="select: forecast_xla infllmv2_xla forecast_mosaic infllmv2_mosaic; "
-                                                  "attention: xla cudnn mosaic_gpu mosaic_gpu@ws dense_xla")
+                                                  "attention: xla cudnn mosaic_gpu dense_xla")
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")
     bn.add_argument("--decode-steps", type=int, default=8, help="decode steps (layers) per timed call")

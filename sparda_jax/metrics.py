@@ -74,7 +74,7 @@ def attention_mass(q, k, ids, q_positions, *, block_size: int, chunk: int = 64) 
 @functools.partial(jax.jit, static_argnames=("tile",))
 def tile_union(ids, *, tile):
     """Distinct blocks selected by `tile` consecutive queries, [B, K, Tq // tile]: the blocks a
-    prefill kernel tile of those queries must walk (kernels/sparse_prefill.py)."""
+    prefill kernel tile of those queries must walk (sparda_jax/ops/sparse_attention/prefill.py)."""
     b, kh, t, n = ids.shape
     nt = t // tile
     x = jnp.sort(ids[:, :, : nt * tile].reshape(b, kh, nt, tile * n), axis=-1)

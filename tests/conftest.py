@@ -1,21 +1,7 @@
-"""Test setup: strict shapes, a CPU client that can interpret warp-specialized kernels, and GPU
-tests skipped where there is no GPU."""
+"""Test setup: strict shapes, and GPU tests skipped where there is no GPU."""
 
-import os
-
-# The Mosaic GPU interpreter runs each warpgroup of a warp-specialized kernel (the prefill
-# kernel's "ws" variant has 3) as its own XLA CPU computation whose host callbacks block on
-# simulated barriers; on the CPU client's default thread pool (one thread per core: 2 on CI)
-# two blocked warpgroups starve the third and the run deadlocks. A pool of 8 and synchronous
-# dispatch remove it (tests/test_kernel_prefill.py). Both are read when the CPU client is
-# created, so they are set here, before any test touches a device.
-if int(os.environ.get("PJRT_NPROC", "0")) < 8:
-    os.environ["PJRT_NPROC"] = "8"
-
-import jax  # noqa: E402
-import pytest  # noqa: E402
-
-jax.config.update("jax_cpu_enable_async_dispatch", False)
+import jax
+import pytest
 
 # Implicit rank promotion hides shape bugs (nanodo does the same).
 jax.config.update("jax_numpy_rank_promotion", "raise")

@@ -11,8 +11,6 @@ Three levels, as every Mosaic GPU kernel has them:
 
 from __future__ import annotations
 
-import os
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -29,16 +27,6 @@ gpu = pytest.mark.gpu  # compiled on a CUDA GPU; skipped without one
 def interpret(*, detect_races: bool = False):
     """Interpreter parameters; detect_races runs the interpreter's race detector."""
     return plgpu.InterpretGPUParams(detect_races=detect_races)
-
-
-# Interpreting a warp-specialized kernel (3 warpgroups, each its own XLA CPU computation whose
-# host callbacks block on simulated barriers) needs the CPU client conftest.py makes: a pool of
-# >= 8 threads and synchronous dispatch. A client created without them can deadlock.
-WS_INTERPRET_SAFE = (int(os.environ.get("PJRT_NPROC", "0")) >= 8
-                     and not jax.config.read("jax_cpu_enable_async_dispatch"))
-needs_ws_interpreter = pytest.mark.skipif(not WS_INTERPRET_SAFE, reason=(
-    "the CPU client lacks PJRT_NPROC >= 8 and synchronous dispatch (tests/conftest.py): interpreting the "
-    "3-warpgroup kernel may deadlock"))
 
 
 def lower_for_hopper(fn, *args, **kwargs):

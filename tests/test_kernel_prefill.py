@@ -1,6 +1,6 @@
 """The Mosaic GPU block-sparse prefill kernel against its jnp reference: the union metadata
-against plain numpy, both kernel variants in interpret mode on the CPU, the Hopper lowering on
-the CPU, and compiled on the GPU at MiniCPM size."""
+against plain numpy, the kernel in interpret mode on the CPU, the Hopper lowering on the CPU,
+and compiled on the GPU at MiniCPM size."""
 
 from __future__ import annotations
 
@@ -10,11 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_base import (BF16_PAIR_PREFILL, INTERPRET, assert_attention_close, gpu, interpret, lower_for_hopper,
-                         needs_ws_interpreter, rel_error)
+from kernel_base import BF16_PAIR_PREFILL, INTERPRET, assert_attention_close, gpu, interpret, lower_for_hopper, rel_error
 
-from sparda_jax.config import ConfigError
-from sparda_jax.ops.sparse_attention.prefill import (PrefillConfig, build_prefill_meta, sparse_prefill_attention,
+from sparda_jax.ops.sparse_attention.decode import DecodeConfig
+from sparda_jax.ops.sparse_attention.prefill import (build_prefill_meta, sparse_prefill_attention,
                                                      sparse_prefill_attention_reference, tile_tokens_for,
                                                      union_stats)
 
@@ -47,10 +46,6 @@ def _case(seed, g, d, dtype, *, kh=2, b=2, t=100, s=300, n=5, bias=False):
     ids = _ids(rng, pos, kh, n, drop_own=(3,))   # token 3 sees nothing: its output must be 0
     cis = jnp.asarray(rng.standard_normal((b, s, kh)), jnp.float32) if bias else None
     return q, k, v, jnp.asarray(ids), jnp.asarray(pos), cis
-
-
-def _pad(ids, tt):
-    return jnp.pad(ids, ((0, 0), (0, 0), (0, -ids.shape[2] % tt), (0, 0)), constant_values=-1)
 
 
 def _numpy_union(ids, tt):
@@ -90,15 +85,16 @@ def test_meta_drops_out_of_range_blocks():
 def test_union_stats():
     pos = np.broadcast_to(np.arange(256, dtype=np.int32), (1, 256))
     same = np.broadcast_to(np.array([0, 1, -1], np.int32), (1, 2, 256, 3))
-    st = union_stats(same, 16, "ws")                                 # every token picks {0, 1}
-    assert st["tile_tokens"] == 8 and st["mean_union"] == 2.0 and st["compute_efficiency"] == 1.0
+    st = union_stats(same, 16)                                       # every token picks {0, 1}
+    assert st["tile_tokens"] == 4 == tile_tokens_for(16) and st["mean_union"] == 2.0 and st["efficiency"] == 1.0
     ids = _ids(np.random.default_rng(0), pos, 2, 4)
-    st = union_stats(ids, 3, "ws")                                   # G=3 -> 4 rows per token
-    union = lambda tt: np.mean([len(u) for _, u, _ in _numpy_union(ids, tt)])
-    assert st["tile_tokens"] == 32 and st["row_fill"] == 0.75
-    assert st["mean_union"] == pytest.approx(union(32))              # loaded: the CTA's 32 tokens
-    assert st["mean_compute_union"] == pytest.approx(union(16))      # computed: one WG's 16 tokens
-    assert st["mean_selected"] == pytest.approx(np.mean(np.sum(ids >= 0, -1)))
+    st = union_stats(ids, 3)                                         # G=3 -> 4 rows per token
+    union = np.mean([len(u) for _, u, _ in _numpy_union(ids, 16)])
+    selected = np.mean(np.sum(ids >= 0, -1))
+    assert st["tile_tokens"] == 16 and st["row_fill"] == 0.75
+    assert st["mean_union"] == pytest.approx(union)                  # a tile of 64 rows: 16 tokens
+    assert st["mean_selected"] == pytest.approx(selected)
+    assert st["efficiency"] == pytest.approx(selected / union) and st["efficiency"] < 1
 
 
 def _check_against_reference(out, q, k, v, ids, pos, cis):
@@ -112,26 +108,18 @@ def _check_against_reference(out, q, k, v, ids, pos, cis):
     return exact
 
 
-@pytest.mark.parametrize("variant,g,d,dtype,bias", [
-    pytest.param("ws", 16, 128, jnp.bfloat16, False, marks=needs_ws_interpreter),
-    pytest.param("ws", 3, 64, jnp.float16, True, marks=needs_ws_interpreter),
-    pytest.param("ws", 8, 64, jnp.bfloat16, True, marks=needs_ws_interpreter),
-    ("simple", 16, 64, jnp.float16, True),
-    ("simple", 3, 128, jnp.bfloat16, False),
+@pytest.mark.parametrize("g,d,dtype,bias", [
+    (16, 64, jnp.float16, True),
+    (3, 128, jnp.bfloat16, False),
 ])
-def test_interpret_matches_reference(variant, g, d, dtype, bias):
+def test_interpret_matches_reference(g, d, dtype, bias):
     q, k, v, ids, pos, cis = _case(g + d, g, d, dtype, bias=bias)
-    f = jax.jit(functools.partial(sparse_prefill_attention, config=PrefillConfig(variant), interpret=INTERPRET))
+    f = jax.jit(functools.partial(sparse_prefill_attention, interpret=INTERPRET))
     out = f(q, k, v, ids, pos, bias=cis)
     _check_against_reference(out, q, k, v, ids, pos, cis)
     assert (np.asarray(out[:, 3], np.float32) == 0).all()          # token 3 selected nothing
-    if variant == "ws":                                             # the case exercises the WG skip
-        wt = tile_tokens_for(g, "ws") // 2
-        bits = np.asarray(build_prefill_meta(_pad(ids, 2 * wt), 2 * wt).ubits).view(np.uint32)
-        assert ((bits != 0) & ((bits & ((1 << wt) - 1) == 0) | (bits >> wt == 0))).any()
 
 
-@needs_ws_interpreter
 def test_interpret_causal_prefill_from_position_zero():
     """Plain prefill (positions 0..T-1, S = T): the first block is partly in the future of
     most of its tokens, the causal mask inside blocks does the work."""
@@ -145,28 +133,23 @@ def test_interpret_causal_prefill_from_position_zero():
     _check_against_reference(out, q, k, v, ids, jnp.asarray(pos), None)
 
 
-@pytest.mark.parametrize("variant,stages", [pytest.param("ws", 3, marks=needs_ws_interpreter), ("simple", 2)])
-def test_interpret_race_detector_finds_nothing(variant, stages):
-    """The barrier protocol (TMA warpgroup <-> 2 compute warpgroups over 3 slots, or the
-    double buffer) under the interpreter's race detector."""
+def test_interpret_race_detector_finds_nothing():
+    """The barrier protocol of the K/V double buffer under the interpreter's race detector."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
 
     q, k, v, ids, pos, cis = _case(1, 16, 64, jnp.bfloat16, b=1, t=24, s=200, n=3, bias=True)
-    f = functools.partial(sparse_prefill_attention, config=PrefillConfig(variant, stages),
-                          interpret=interpret(detect_races=True))
+    f = functools.partial(sparse_prefill_attention, interpret=interpret(detect_races=True))
     out = jax.jit(f)(q, k, v, ids, pos, bias=cis)
     assert not gpu_callbacks.get_races().races_found
     _check_against_reference(out, q, k, v, ids, pos, cis)
 
 
-@pytest.mark.parametrize("variant,stages", [("ws", 2), ("ws", 4), ("simple", 2)])
-def test_gpu_variant_lowers_for_hopper(variant, stages):
+def test_gpu_form_lowers_for_hopper():
     """The compiled form (P from registers, accumulator in place) through the Mosaic GPU
     lowering for sm_90 on the CPU: layouts, TMA shapes, wgmma rules, the SMEM budget."""
     for g, d, dtype, bias in ((16, 128, jnp.bfloat16, True), (3, 64, jnp.float16, False)):
         q, k, v, ids, pos, cis = _case(0, g, d, dtype, bias=bias, t=70, s=256, n=3)
-        lower_for_hopper(functools.partial(sparse_prefill_attention, config=PrefillConfig(variant, stages)),
-                         q, k, v, ids, pos, bias=cis)
+        lower_for_hopper(sparse_prefill_attention, q, k, v, ids, pos, bias=cis)
 
 
 def test_rejects_unsupported_inputs():
@@ -179,15 +162,13 @@ def test_rejects_unsupported_inputs():
         sparse_prefill_attention(q, k, v, ids[:, :1], pos)
     with pytest.raises(ValueError, match="bias"):
         sparse_prefill_attention(q, k, v, ids, pos, bias=jnp.zeros((2, 63, 2)))
-    with pytest.raises(ConfigError, match="PrefillConfig.variant"):
-        PrefillConfig(variant="fast")
-    with pytest.raises(ConfigError, match="PrefillConfig.stages"):
-        PrefillConfig("simple", stages=3)
-    with pytest.raises(ConfigError, match="PrefillConfig.stages"):
-        PrefillConfig("ws", stages=1)
+    from sparda_jax import sparse_attention
+
+    for impl in ("xla", "mosaic_gpu_interpret"):                    # the prefill kernel takes no tuning
+        with pytest.raises(ValueError, match="prefill kernel has none"):
+            sparse_attention(q, k, v, ids, pos, implementation=impl, config=DecodeConfig())
 
 
-@needs_ws_interpreter
 def test_dispatch_through_sparse_attention():
     from sparda_jax import sparse_attention
 
@@ -198,8 +179,7 @@ def test_dispatch_through_sparse_attention():
 
 
 @gpu
-@pytest.mark.parametrize("variant", ["ws", "simple"])
-def test_compiled_matches_reference_minicpm_size(variant):
+def test_compiled_matches_reference_minicpm_size():
     """MiniCPM4 layer shape at 8K with InfLLM-V2's own selection (96 blocks: 1 init + 33
     local + 62 by content) on random q/k."""
     from sparda_jax import SparseConfig
@@ -215,7 +195,6 @@ def test_compiled_matches_reference_minicpm_size(variant):
     sp = SparseConfig(dense_len=0)
     ids = jax.jit(functools.partial(select_blocks_infllmv2, sparse=sp))(q, compress_keys(k, 32, 16), pos)
     for bias in (None, cis):
-        out = jax.jit(functools.partial(sparse_prefill_attention, config=PrefillConfig(variant)))(q, k, v, ids, pos,
-                                                                                                 bias=bias)
+        out = jax.jit(sparse_prefill_attention)(q, k, v, ids, pos, bias=bias)
         _check_against_reference(out, q, k, v, ids, pos, bias)
-    print(union_stats(ids, h // kh, variant))
+    print(union_stats(ids, h // kh))

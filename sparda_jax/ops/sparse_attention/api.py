@@ -62,7 +62,7 @@ def _mosaic(implementation):
             from .prefill import sparse_prefill_attention
 
             return sparse_prefill_attention(q, k, v, block_ids, q_positions.astype(jnp.int32), bias=bias,
-                                            config=config, interpret=interpret)
+                                            interpret=interpret)
         from .decode import sparse_decode_attention
 
         out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
@@ -85,10 +85,13 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
 
     implementation: "xla" | "mosaic_gpu" | "mosaic_gpu_interpret" (module docstring), or None:
     the first of DEFAULT_ORDER that supports the inputs.
-    config: the Mosaic kernel's tuning, `prefill.PrefillConfig` (Tq > 1) or
-    `decode.DecodeConfig` (Tq == 1); None: its defaults. Ignored by "xla".
-    Raises NotImplementedError if the named backend cannot run the inputs.
+    config: the Mosaic decode kernel's tuning, `decode.DecodeConfig` (Tq == 1); None: its
+    defaults. Ignored by "xla". The prefill kernel has none.
+    Raises ValueError for a config with Tq > 1 (any backend), NotImplementedError if the named
+    backend cannot run the inputs.
     """
+    if config is not None and jnp.ndim(q) == 4 and q.shape[1] > 1:
+        raise ValueError(f"config tunes the decode kernel (Tq == 1); the prefill kernel has none (Tq = {q.shape[1]})")
     return BACKENDS(implementation, DEFAULT_ORDER, q, k, v, block_ids, q_positions, block_size=block_size,
                     bias=bias, config=config)
 

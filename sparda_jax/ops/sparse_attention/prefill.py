@@ -6,20 +6,18 @@ optional per-key logit bias (NOSA's cis). Design:
 
 - **Rows.** q is reordered in XLA to q_r [B, K, T*Gp, D], row = t*Gp + g, the group padded to
   Gp = a power of two >= max(G, 4) (G=3 -> 4: 25% idle rows; wgmma wants 64-row tiles and a
-  token must not straddle two of them). A 64-row warpgroup tile is 64//Gp tokens x Gp heads.
-- **Union.** A CTA tile of `tile_tokens` tokens walks the UNION of their block lists
-  (`build_prefill_meta`, XLA: one sort + segment ops, like splash attention's MaskInfo); each
-  union entry carries an int32 of selection bits (bit i: token i of the tile picked the block),
-  so the mask is built in registers from two scalars and an iota, never read from memory.
-- **Two variants** (`PrefillConfig.variant`). "ws" (FA3 structure): 2 compute warpgroups (128 rows) + 1 TMA warpgroup,
-  `emit_pipeline_warp_specialized` over a traced trip count |union|; a compute warpgroup skips
-  the wgmmas of blocks that none of its own tokens picked. "simple": one warpgroup of
-  64 rows, K/V double-buffered by TMA in a fori_loop (the decode kernel's structure); half the
-  tile, hence a smaller union, and no warp-specialization machinery.
+  token must not straddle two of them). A CTA tile is one warpgroup of 64 rows: 64//Gp tokens x
+  Gp heads.
+- **Union.** A tile walks the UNION of its tokens' block lists (`build_prefill_meta`, XLA: one
+  sort + segment ops, like splash attention's MaskInfo); each union entry carries an int32 of
+  selection bits (bit i: token i of the tile picked the block), so the mask is built in
+  registers from two scalars and an iota, never read from memory.
+- **Pipeline.** K/V (and the bias) of the next union block are double-buffered by TMA in a
+  fori_loop over the traced trip count |union|.
 - Online softmax in the log2 domain with f32 state; P is rounded to q.dtype for the PV wgmma.
 
-The efficiency depends on the union size (`union_stats`): a warpgroup computes 64 rows x
-|its union| x 64 logits, of which only the selected ones are useful.
+The efficiency depends on the union size (`union_stats`): a tile computes 64 rows x |union| x
+64 logits, of which only the selected ones are useful.
 
 bf16/f16 only (wgmma operands; f32 is a TypeError so callers can fall back), head dim a
 multiple of 64 (128-byte swizzle), 64-token blocks.
@@ -28,8 +26,7 @@ multiple of 64 (128-byte swizzle), 64-token blocks.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,48 +34,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sparda_jax.config import ConfigError
-
-__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "PrefillConfig", "build_prefill_meta",
+__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "build_prefill_meta",
            "PrefillMeta", "union_stats", "tile_tokens_for", "padded_group", "INTERPRET"]
 
 # Interpret mode (CPU). It does not support wgmma with A from registers nor in-place
 # accumulation (pl.run_state), so the kernel has switches for those two; both forms lower.
-# The "ws" variant's 3 simulated warpgroups block inside XLA host callbacks: on a CPU client
-# with a small thread pool they can deadlock; set PJRT_NPROC=8 (and, belt and braces,
-# jax_cpu_enable_async_dispatch=False) before the first computation (tests/test_kernel_prefill.py).
 INTERPRET = plgpu.InterpretGPUParams()
 
 BS = 64                       # tokens per KV block
-ROWS = 64                     # query rows per compute warpgroup (wgmma M)
+ROWS = 64                     # query rows per CTA tile (one warpgroup; wgmma M)
 MMA_T = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))   # 16-bit: 8 x 64 = 128 B rows
 LOG2E = math.log2(math.e)
-Variant = Literal["ws", "simple"]
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Tuning of the prefill kernel, validated on construction (ConfigError names the field).
-
-    variant: "simple" (one warpgroup of 64 rows, K/V double-buffered by TMA; the default: its
-        smaller tile walks a smaller union of blocks) or "ws" (2 compute warpgroups + 1 TMA
-        warpgroup, warp-specialized);
-    stages: K/V buffers in flight in the "ws" pipeline (>= 2); "simple" always uses 2.
-    """
-
-    variant: Variant = "simple"
-    stages: int = 2
-
-    def __post_init__(self):
-        if self.variant not in ("ws", "simple"):
-            raise ConfigError(f"PrefillConfig.variant: must be 'ws' or 'simple', got {self.variant!r}")
-        if not isinstance(self.stages, int) or self.stages < 2 or (self.variant == "simple" and self.stages != 2):
-            raise ConfigError(f"PrefillConfig.stages: must be >= 2 (and 2 for the 'simple' variant), got {self.stages!r}")
 
 
 def padded_group(g: int) -> int:
-    """Rows per token in the kernel: a power of two >= max(g, 4) that divides 64. At least 4
-    because a "ws" tile of 128 rows then holds <= 32 tokens: one int32 of selection bits."""
+    """Rows per token in the kernel: a power of two >= max(g, 4) that divides 64 (a tile then
+    holds <= 16 tokens). Raises ValueError for g > 64."""
     gp = 4
     while gp < g:
         gp *= 2
@@ -87,9 +58,9 @@ def padded_group(g: int) -> int:
     return gp
 
 
-def tile_tokens_for(g: int, variant: Variant = "ws") -> int:
-    """Tokens per CTA tile (those share one walk over the union of their blocks)."""
-    return (2 if variant == "ws" else 1) * (ROWS // padded_group(g))
+def tile_tokens_for(g: int) -> int:
+    """Tokens per CTA tile (those share one walk over the union of their blocks): 64 // padded_group(g)."""
+    return ROWS // padded_group(g)
 
 
 # ------------------------------------------------------------------------------ metadata (XLA)
@@ -144,24 +115,20 @@ def build_prefill_meta(block_ids, tile_tokens: int, n_blocks: int | None = None)
     return PrefillMeta(uids, jnp.where(uids >= 0, ubits, 0), jnp.sum(first, axis=-1, dtype=jnp.int32))
 
 
-def union_stats(block_ids, g: int, variant: Variant = "ws") -> dict:
-    """How much of the kernel's work is useful, for the benchmark. block_ids [B, K, T, n].
+def union_stats(block_ids, g: int) -> dict:
+    """How much of the kernel's work is useful, for the benchmark. block_ids [B, K, T, n]; g:
+    query heads per KV head.
 
-    mean_union: blocks a CTA tile loads (mean |union| over tiles of tile_tokens tokens);
-    mean_compute_union: blocks a 64-row warpgroup computes (its own tokens' union: the "ws"
-    variant skips blocks only the other warpgroup picked); mean_selected: blocks per token;
-    load_efficiency / compute_efficiency: mean_selected over those (1.0 when neighbouring
-    tokens pick the same blocks); row_fill: G / padded group (idle rows). Causal masking
-    inside blocks is not counted.
+    tile_tokens: tokens per tile (`tile_tokens_for(g)`); mean_union: blocks a tile walks (mean
+    |union| over tiles); mean_selected: blocks per token; efficiency: mean_selected /
+    mean_union (1.0 when neighbouring tokens pick the same blocks); row_fill: G / padded group
+    (idle rows). Causal masking inside blocks is not counted.
     """
-    tt, wt = tile_tokens_for(g, variant), ROWS // padded_group(g)
+    tt = tile_tokens_for(g)
     ids = _pad_tokens(jnp.asarray(block_ids, jnp.int32), tt)
-    n_sel = jnp.sum(ids >= 0, axis=-1).astype(jnp.float32)
-    mean_sel = float(jnp.mean(n_sel))
+    mean_sel = float(jnp.mean(jnp.sum(ids >= 0, axis=-1).astype(jnp.float32)))
     union = float(jnp.mean(build_prefill_meta(ids, tt).n_union.astype(jnp.float32)))
-    compute = float(jnp.mean(build_prefill_meta(ids, wt).n_union.astype(jnp.float32)))
-    return dict(tile_tokens=tt, mean_union=union, mean_compute_union=compute, mean_selected=mean_sel,
-                load_efficiency=mean_sel / max(union, 1e-9), compute_efficiency=mean_sel / max(compute, 1e-9),
+    return dict(tile_tokens=tt, mean_union=union, mean_selected=mean_sel, efficiency=mean_sel / max(union, 1e-9),
                 row_fill=g / padded_group(g))
 
 
@@ -172,15 +139,15 @@ def _pad_tokens(ids, tt):
 
 # ------------------------------------------------------------------------------------- kernel
 
-def _row_vectors(wg_tokens_base, tile_tok0, gp, pos_ref, b):
-    """Per-row (64,) vectors of this warpgroup's tile: the token's index inside the CTA tile
-    (selects its bit) and its query position (scalar reads from GMEM, once per tile)."""
+def _row_vectors(tile_tok0, gp, pos_ref, b):
+    """Per-row (64,) vectors of the tile: the token's index inside the tile (selects its bit)
+    and its query position (scalar reads from GMEM, once per tile)."""
     row2 = plgpu.broadcasted_iota(jnp.int32, (ROWS, BS), 0, layout=plgpu.Layout.WGMMA)
-    tok_wg = row2.max(axis=1) // gp                        # a (64,) vector in the row layout
-    pos = jnp.full_like(tok_wg, -1)
+    tok = row2.max(axis=1) // gp                           # a (64,) vector in the row layout
+    pos = jnp.full_like(tok, -1)
     for i in range(ROWS // gp):
-        pos = jnp.where(tok_wg == i, pos_ref[b, tile_tok0 + wg_tokens_base + i], pos)
-    return tok_wg + wg_tokens_base, pos
+        pos = jnp.where(tok == i, pos_ref[b, tile_tok0 + i], pos)
+    return tok, pos
 
 
 def _softmax_step(qk, blk, bits, tok_tile, pos, bias_col, carry, scale_log2):
@@ -244,113 +211,7 @@ def _normalize(acc, l_i, dtype):
     return (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
 
 
-def _prefill_ws(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret, stages,
-                skip_empty=True):
-    """FA3 structure: 2 compute warpgroups x 64 rows + 1 TMA warpgroup per CTA."""
-    b_, kh, _, d = q_r.shape
-    nt = meta.n_union.shape[2]
-    wg_tok = ROWS // gp
-    tile_tok = 2 * wg_tok
-    dtype = q_r.dtype
-    scale_log2 = LOG2E / math.sqrt(d)
-    has_bias = bias_r is not None
-
-    def kernel(*refs):
-        if has_bias:
-            q_ref, k_ref, v_ref, bias_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref, qo2, p2, q_bars = refs
-        else:
-            q_ref, k_ref, v_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref, qo2, p2, q_bars = refs
-        b, h, tt = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("t")
-        wg = lax.axis_index("wg")
-
-        def compute_thread(pipeline_callback):             # runs only in the 2 compute WGs
-            qo = qo2.at[wg]
-            row0 = (tt * 2 + wg) * ROWS
-            plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row0, ROWS)], qo, q_bars.at[wg])
-            tok_tile, rpos = _row_vectors(wg * wg_tok, tt * tile_tok, gp, pos_ref, b)
-            plgpu.barrier_wait(q_bars.at[wg])
-            acc, _, l_i, _, _ = pipeline_callback((*_init_carry(d), tok_tile, rpos))
-            qo[...] = _normalize(acc, l_i, dtype)          # o leaves through q's buffer
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qo, o_ref.at[b, h, pl.ds(row0, ROWS)])
-            plgpu.wait_smem_to_gmem(0)
-
-        def step(indices, *args):
-            (j,) = indices
-            if has_bias:
-                k_smem, v_smem, b_smem, k_done, v_done, b_done, carry = args
-            else:
-                k_smem, v_smem, k_done, v_done, carry = args
-            acc, m_i, l_i, tok_tile, rpos = carry
-            blk, bits = uid_ref[b, h, tt, j], ubit_ref[b, h, tt, j]
-
-            def attend(acc, m_i, l_i):
-                qk = _qk(qo2.at[wg], k_smem)
-                plgpu.barrier_arrive(k_done)                # the TMA warpgroup may refill K's slot
-                bias_col = None
-                if has_bias:
-                    bias_col = plgpu.load(b_smem, layout=plgpu.Layout.WGMMA.reduce(0))
-                    plgpu.barrier_arrive(b_done)
-                p, (acc, m_i, l_i) = _softmax_step(qk, blk, bits, tok_tile, rpos, bias_col,
-                                                   (acc, m_i, l_i), scale_log2)
-                acc = _pv(acc, p, v_smem, p2.at[wg], p_via_smem=p_via_smem,
-                          acc_in_place=acc_in_place, dtype=dtype)
-                plgpu.barrier_arrive(v_done)
-                return acc, m_i, l_i
-
-            def skip(acc, m_i, l_i):                        # every WG arrives at every step
-                plgpu.barrier_arrive(k_done)
-                if has_bias:
-                    plgpu.barrier_arrive(b_done)
-                plgpu.barrier_arrive(v_done)
-                return acc, m_i, l_i
-
-            if skip_empty:
-                # The tile's union holds blocks that only the other WG's tokens picked: this WG
-                # skips their tensor-core work, so its compute follows its own 64-row union.
-                mine = lax.shift_right_logical(bits, wg * wg_tok) & ((1 << wg_tok) - 1)
-                acc, m_i, l_i = lax.cond(mine != 0, attend, skip, acc, m_i, l_i)
-            else:
-                acc, m_i, l_i = attend(acc, m_i, l_i)
-            return acc, m_i, l_i, tok_tile, rpos
-
-        uid_of = lambda j: jnp.maximum(uid_ref[b, h, tt, j], 0)
-        kv_spec = plgpu.BlockSpec((BS, d), lambda j: (uid_of(j), 0), transforms=MMA_T)
-        specs = [kv_spec, kv_spec]
-        srcs = [k_ref.at[b, :, h, :], v_ref.at[b, :, h, :]]
-        if has_bias:
-            specs.append(plgpu.BlockSpec((BS,), lambda j: (uid_of(j),)))
-            srcs.append(bias_ref.at[b, h])
-        pipeline = plgpu.emit_pipeline_warp_specialized(
-            step,
-            grid=(nu_ref[b, h, tt],),                       # traced: this tile's |union|
-            max_concurrent_steps=stages,                     # K/V slots in flight
-            num_compute_wgs=2,
-            memory_registers=40,
-            wg_axis="wg",
-            manual_consumed_barriers=True,
-            compute_context=compute_thread,
-            in_specs=specs,
-        )
-        pipeline(*srcs)
-
-    args = (q_r, k, v) + ((bias_r,) if has_bias else ()) + (meta.uids, meta.ubits, meta.n_union, pos)
-    return plgpu.kernel(
-        kernel,
-        out_type=jax.ShapeDtypeStruct(q_r.shape, dtype),
-        grid=(b_, kh, nt), grid_names=("b", "h", "t"),
-        num_threads=3, thread_name="wg",
-        scratch_types=(
-            plgpu.SMEM((2, ROWS, d), dtype, transforms=MMA_T),                 # q in, o out, per WG
-            plgpu.SMEM((2, ROWS, BS) if p_via_smem else (2, 8, BS), dtype, transforms=MMA_T),  # P
-            plgpu.Barrier(num_barriers=2),
-        ),
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interpret,
-    )(*args)
-
-
-def _prefill_simple(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret, stages):
+def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret):
     """One warpgroup of 64 rows per CTA; K/V (and bias) double-buffered by TMA in a fori_loop."""
     b_, kh, _, d = q_r.shape
     nt = meta.n_union.shape[2]
@@ -383,7 +244,7 @@ def _prefill_simple(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_plac
         def _():
             fetch(0, 0)
 
-        tok_tile, rpos = _row_vectors(0, tt * tile_tok, gp, pos_ref, b)
+        tok_tile, rpos = _row_vectors(tt * tile_tok, gp, pos_ref, b)
         plgpu.barrier_wait(q_bar)
 
         def step(j, carry):
@@ -456,23 +317,20 @@ def _check(q, k, v, block_ids, q_positions, bias):
         raise ValueError(f"bias must be [B, S, K] = {(b, s, kh)}; got {bias.shape}")
 
 
-def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, config: PrefillConfig | None = None,
-                             interpret=None, meta: PrefillMeta | None = None, p_via_smem: bool | None = None,
+def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
+                             meta: PrefillMeta | None = None, p_via_smem: bool | None = None,
                              acc_in_place: bool | None = None):
     """q [B, T, H, D]; k, v [B, S, K, D]; block_ids int [B, K, T, n] (64-token blocks; -1 =
     none; any order, repeats allowed); q_positions int [B, T]; bias optional float [B, S, K]
     added to each key's logit. -> [B, T, H, D] in q.dtype; a query with no visible key gets zeros.
 
-    config: the kernel's tuning (`PrefillConfig()` when None).
     interpret: None (compiled, GPU), True or a plgpu.InterpretGPUParams (CPU interpreter).
-    meta: a precomputed `build_prefill_meta(block_ids padded to the tile, tile_tokens_for(G,
-    config.variant), n_blocks)` (layers that share a selection can reuse it).
+    meta: a precomputed `build_prefill_meta(block_ids padded to the tile, tile_tokens_for(G),
+    n_blocks)` (layers that share a selection can reuse it).
     p_via_smem / acc_in_place: default to what the mode supports (interpret: True / False).
     Raises TypeError for dtypes other than bf16/f16, ValueError for unsupported shapes.
     """
-    config = PrefillConfig() if config is None else config
     _check(q, k, v, block_ids, q_positions, bias)
-    variant, stages = config.variant, config.stages
     if interpret is True:
         interpret = INTERPRET
     if p_via_smem is None:
@@ -483,7 +341,7 @@ def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, conf
     s, kh = k.shape[1], k.shape[2]
     g = h // kh
     gp = padded_group(g)
-    tt = tile_tokens_for(g, variant)
+    tt = tile_tokens_for(g)
     nb = -(-s // BS)
     # Whole blocks for TMA; the padded keys stay invisible because positions are clamped below S.
     if s % BS:
@@ -501,15 +359,14 @@ def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, conf
     bias_r = None
     if bias is not None:                                    # [B, K, S] rows, log2 units
         bias_r = jnp.transpose(bias.astype(jnp.float32) * LOG2E, (0, 2, 1))
-    fn = _prefill_ws if variant == "ws" else _prefill_simple
-    o_r = fn(q_r, k, v, bias_r, meta, pos, gp=gp, p_via_smem=p_via_smem, acc_in_place=acc_in_place,
-             interpret=interpret, stages=stages)
+    o_r = _prefill(q_r, k, v, bias_r, meta, pos, gp=gp, p_via_smem=p_via_smem, acc_in_place=acc_in_place,
+                   interpret=interpret)
     o = o_r.reshape(b, kh, tp, gp, d)[:, :, :t, :g].transpose(0, 2, 1, 3, 4)
     return o.reshape(b, t, h, d)
 
 
-def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, config=None, interpret=None,
-                                       meta=None, p_via_smem=None, acc_in_place=None):
+def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, interpret=None, meta=None,
+                                       p_via_smem=None, acc_in_place=None):
     """The plain-jnp reference with the kernel's signature (the kernel-only options are ignored)."""
     from .reference import sparse_attention_reference
 

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sparda_jax.config import ConfigError
+from sparda_jax.config import ConfigError, check_int
 
 __all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "PrefillConfig", "build_prefill_meta",
            "PrefillMeta", "union_stats", "tile_tokens_for", "padded_group", "INTERPRET"]
@@ -70,10 +70,11 @@ class PrefillConfig:
     stages: int = 2
 
     def __post_init__(self):
-        if self.variant not in ("ws", "simple"):
+        if not isinstance(self.variant, str) or self.variant not in ("ws", "simple"):
             raise ConfigError(f"PrefillConfig.variant: must be 'ws' or 'simple', got {self.variant!r}")
-        if not isinstance(self.stages, int) or self.stages < 2 or (self.variant == "simple" and self.stages != 2):
-            raise ConfigError(f"PrefillConfig.stages: must be >= 2 (and 2 for the 'simple' variant), got {self.stages!r}")
+        check_int("PrefillConfig", "stages", self.stages, lo=2)
+        if self.variant == "simple" and self.stages != 2:
+            raise ConfigError(f"PrefillConfig.stages: must be 2 for the 'simple' variant, got {self.stages!r}")
 
 
 def padded_group(g: int) -> int:

@@ -32,7 +32,7 @@ from flax import struct
 
 from sparda_jax.attention import paged_sparse_attention
 from sparda_jax.compress import CompressedKeys
-from sparda_jax.config import ConfigError, Implementations, ModelConfig
+from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_bool, check_instance, check_int
 from sparda_jax.model import DecoderLayer, KVCache, check_layers, embed, per_layer, rope_tables, stacked, unembed
 from sparda_jax.modes import decode_program, decode_step_plan, layer_inputs, layered_state, prefill
 from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_step, partial_keys, run_layers, \
@@ -83,18 +83,16 @@ class EngineConfig:
     implementations: Implementations = Implementations()
 
     def __post_init__(self):
-        if self.mode not in ENGINE_MODES:
+        c = "EngineConfig"
+        if not isinstance(self.mode, str) or self.mode not in ENGINE_MODES:
             raise ConfigError(f"EngineConfig.mode: must be one of {ENGINE_MODES}, got {self.mode!r}")
-        if self.n_slots is not None and (type(self.n_slots) is not int or self.n_slots < 1):
-            raise ConfigError(f"EngineConfig.n_slots: must be None or an int >= 1, got {self.n_slots!r}")
-        if type(self.reuse) is not bool:
-            raise ConfigError(f"EngineConfig.reuse: must be a bool, got {self.reuse!r}")
-        n = self.num_ctas
-        if not (n is None or n == "auto" or (type(n) is int and 1 <= n <= 1024)):
-            raise ConfigError(f"EngineConfig.num_ctas: must be None, 'auto' or an int in 1..1024, got {n!r}")
-        if not isinstance(self.implementations, Implementations):
-            raise ConfigError("EngineConfig.implementations: must be a sparda_jax.Implementations, "
-                              f"got {type(self.implementations).__name__}")
+        check_int(c, "n_slots", self.n_slots, lo=1, none_ok=True)
+        check_bool(c, "reuse", self.reuse)
+        if isinstance(self.num_ctas, str) and self.num_ctas != "auto":
+            raise ConfigError(f"EngineConfig.num_ctas: must be None, 'auto' or an int in 1..1024, got {self.num_ctas!r}")
+        if self.num_ctas != "auto":
+            check_int(c, "num_ctas", self.num_ctas, lo=1, hi=1024, none_ok=True)
+        check_instance(c, "implementations", self.implementations, Implementations)
 
     @property
     def selector(self) -> str:

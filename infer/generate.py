@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparda_jax.config import Implementations, ModelConfig
+from sparda_jax.config import Implementations, ModelConfig, check_float, check_int
 from sparda_jax.modes import decode_step, prefill
 
 __all__ = ["SamplingConfig", "generate", "sample_next"]
@@ -25,8 +25,9 @@ PAD_MULTIPLE = 64  # prompts are padded to a multiple of this to bound recompila
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    """temperature 0 = greedy. top_p in (0, 1] keeps the smallest set of tokens whose
-    probability reaches top_p (nucleus sampling)."""
+    """temperature (finite, >= 0): 0 = greedy. top_p in (0, 1] keeps the smallest set of tokens
+    whose probability reaches top_p (nucleus sampling). max_new_tokens an int >= 1; seed an int
+    in [0, 2**32). Raises ConfigError (a ValueError) naming the field otherwise."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -34,12 +35,11 @@ class SamplingConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"SamplingConfig.top_p must lie in (0, 1], got {self.top_p}")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"SamplingConfig.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        c = "SamplingConfig"
+        check_float(c, "temperature", self.temperature, lo=0)
+        check_float(c, "top_p", self.top_p, lo=0, lo_open=True, hi=1)
+        check_int(c, "max_new_tokens", self.max_new_tokens, lo=1)
+        check_int(c, "seed", self.seed, lo=0, hi=2**32 - 1)
 
 
 @functools.partial(jax.jit, static_argnames=("temperature", "top_p"))

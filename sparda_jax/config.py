@@ -2,7 +2,10 @@
 
 A `ModelConfig` describes one backbone and carries the narrower configs of its parts
 (`SparseConfig` for block selection, `ForecastConfig` for the SparDA indexer), Levanter-style.
-Every config validates itself on construction and names the offending field in its error.
+Every config validates itself on construction and names the offending field in its error:
+`check_int`, `check_float`, `check_bool` and `check_instance` raise `ConfigError("Cls.field: ...")`
+(integers refuse floats, strings and bools; floats refuse NaN and, unless told, inf). The
+configs of the other packages (sampling, engine, training, kernel tuning) use them too.
 Change a preset with `dataclasses.replace`, e.g.
 `replace(cfg, sparse=replace(cfg.sparse, topk=24))`.
 """
@@ -11,11 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 __all__ = [
     "ConfigError",
+    "check_int",
+    "check_float",
+    "check_bool",
+    "check_instance",
     "LongRoPEConfig",
     "SparseConfig",
     "ForecastConfig",
@@ -38,10 +48,56 @@ def _fail(cls: str, name: str, why: str) -> None:
     raise ConfigError(f"{cls}.{name}: {why}")
 
 
-def _positive(cls: str, **fields: int | float) -> None:
-    for name, value in fields.items():
-        if not value > 0:
-            _fail(cls, name, f"must be > 0, got {value!r}")
+def _bound(cls: str, name: str, value, lo, hi) -> None:
+    if lo is not None and value < lo:
+        _fail(cls, name, f"must be >= {lo}, got {value!r}")
+    if hi is not None and value > hi:
+        _fail(cls, name, f"must be <= {hi}, got {value!r}")
+
+
+def check_int(cls: str, name: str, value, *, lo: int | None = None, hi: int | None = None,
+              none_ok: bool = False) -> None:
+    """Raise ConfigError("cls.name: ...") unless value is an int (a Python or NumPy integer, not
+    a bool; None too if none_ok) in [lo, hi]. Floats such as 4.0 and strings are refused."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        _fail(cls, name, f"must be an int{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})")
+    _bound(cls, name, value, lo, hi)
+
+
+def check_float(cls: str, name: str, value, *, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False, hi_open: bool = False, finite: bool = True,
+                none_ok: bool = False) -> None:
+    """Raise ConfigError("cls.name: ...") unless value is a real number (int or float, not a
+    bool or a string; None too if none_ok), not NaN, finite unless `finite=False`, and in
+    [lo, hi] (lo excluded with lo_open, hi with hi_open)."""
+    if value is None and none_ok:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        _fail(cls, name, f"must be a number{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})")
+    if math.isnan(value) or (finite and math.isinf(value)):
+        _fail(cls, name, f"must be {'finite' if finite else 'a number, not NaN'}, got {value!r}")
+    if lo_open and lo is not None and not value > lo:
+        _fail(cls, name, f"must be > {lo}, got {value!r}")
+    if hi_open and hi is not None and not value < hi:
+        _fail(cls, name, f"must be < {hi}, got {value!r}")
+    _bound(cls, name, value, None if lo_open else lo, None if hi_open else hi)
+
+
+def check_bool(cls: str, name: str, value) -> None:
+    """Raise ConfigError("cls.name: ...") unless value is a bool (Python or NumPy)."""
+    if not isinstance(value, (bool, np.bool_)):
+        _fail(cls, name, f"must be a bool, got {value!r} ({type(value).__name__})")
+
+
+def check_instance(cls: str, name: str, value, types, *, none_ok: bool = False) -> None:
+    """Raise ConfigError("cls.name: ...") unless value is an instance of types (or None if none_ok)."""
+    if value is None and none_ok:
+        return
+    if not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+        _fail(cls, name, f"must be a {names}{' or None' if none_ok else ''}, got {value!r} ({type(value).__name__})")
 
 
 # The backends each op registers (`sparda_jax.ops.<op>.api`); "*_interpret" runs the same
@@ -71,7 +127,7 @@ class Implementations:
     def __post_init__(self):
         for name, allowed in IMPLEMENTATION_NAMES.items():
             value = getattr(self, name)
-            if value is not None and value not in allowed:
+            if value is not None and (not isinstance(value, str) or value not in allowed):
                 _fail("Implementations", name, f"must be None or one of {allowed}, got {value!r}")
 
 
@@ -89,11 +145,15 @@ class LongRoPEConfig:
     original_max_position_embeddings: int
 
     def __post_init__(self):
+        c = "LongRoPEConfig"
+        for name in ("short_factor", "long_factor"):
+            factors = getattr(self, name)
+            check_instance(c, name, factors, tuple)
+            for i, f in enumerate(factors):
+                check_float(c, f"{name}[{i}]", f, lo=0, lo_open=True)
         if len(self.short_factor) != len(self.long_factor):
-            _fail("LongRoPEConfig", "long_factor", "must have as many entries as short_factor")
-        if any(f <= 0 for f in self.short_factor + self.long_factor):
-            _fail("LongRoPEConfig", "short_factor", "factors must be > 0")
-        _positive("LongRoPEConfig", original_max_position_embeddings=self.original_max_position_embeddings)
+            _fail(c, "long_factor", "must have as many entries as short_factor")
+        check_int(c, "original_max_position_embeddings", self.original_max_position_embeddings, lo=1)
 
 
 @dataclass(frozen=True)
@@ -124,15 +184,13 @@ class SparseConfig:
 
     def __post_init__(self):
         c = "SparseConfig"
-        _positive(c, block_size=self.block_size, topk=self.topk, kernel_size=self.kernel_size,
-                  kernel_stride=self.kernel_stride, coarse_lse_kernel=self.coarse_lse_kernel,
-                  coarse_lse_stride=self.coarse_lse_stride)
-        if self.init_blocks < 0:
-            _fail(c, "init_blocks", f"must be >= 0, got {self.init_blocks}")
-        if self.local_blocks < 0:
-            _fail(c, "local_blocks", f"must be >= 0, got {self.local_blocks}")
-        if self.dense_len < 0:
-            _fail(c, "dense_len", f"must be >= 0, got {self.dense_len}")
+        for name in ("block_size", "topk", "kernel_size", "kernel_stride", "coarse_lse_kernel",
+                     "coarse_lse_stride"):
+            check_int(c, name, getattr(self, name), lo=1)
+        for name in ("init_blocks", "local_blocks", "dense_len"):
+            check_int(c, name, getattr(self, name), lo=0)
+        check_bool(c, "exact_lse", self.exact_lse)
+        check_int(c, "nosa_qk_topk", self.nosa_qk_topk, lo=1, none_ok=True)
         if self.kernel_size < self.kernel_stride:
             _fail(c, "kernel_size", f"({self.kernel_size}) must be >= kernel_stride ({self.kernel_stride})")
         if self.block_size % self.kernel_stride:
@@ -170,9 +228,9 @@ class ForecastConfig:
 
     def __post_init__(self):
         c = "ForecastConfig"
-        _positive(c, teacher_kernel_size=self.teacher_kernel_size,
-                  teacher_kernel_stride=self.teacher_kernel_stride,
-                  supervision_k=self.supervision_k, init_std=self.init_std)
+        for name in ("teacher_kernel_size", "teacher_kernel_stride", "supervision_k"):
+            check_int(c, name, getattr(self, name), lo=1)
+        check_float(c, "init_std", self.init_std, lo=0, lo_open=True)
         if self.teacher_kernel_size < self.teacher_kernel_stride:
             _fail(c, "teacher_kernel_size", "must be >= teacher_kernel_stride")
 
@@ -208,14 +266,25 @@ class ModelConfig:
 
     def __post_init__(self):
         c = "ModelConfig"
-        if self.arch not in ("llama", "minicpm", "nosa"):
+        check_instance(c, "name", self.name, str)
+        check_instance(c, "source", self.source, str)
+        if not isinstance(self.arch, str) or self.arch not in ("llama", "minicpm", "nosa"):
             _fail(c, "arch", f"unknown architecture {self.arch!r}; expected llama, minicpm or nosa")
-        _positive(c, vocab_size=self.vocab_size, hidden_size=self.hidden_size,
-                  num_layers=self.num_layers, num_heads=self.num_heads,
-                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                  intermediate_size=self.intermediate_size, rms_eps=self.rms_eps,
-                  rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
-                  scale_emb=self.scale_emb)
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "max_position_embeddings"):
+            check_int(c, name, getattr(self, name), lo=1)
+        for name in ("rms_eps", "rope_theta", "scale_emb"):
+            check_float(c, name, getattr(self, name), lo=0, lo_open=True)
+        check_float(c, "scale_depth", self.scale_depth, lo=0, lo_open=True, none_ok=True)
+        check_int(c, "dim_model_base", self.dim_model_base, lo=1, none_ok=True)
+        check_bool(c, "tie_embeddings", self.tie_embeddings)
+        check_int(c, "bos_token_id", self.bos_token_id, lo=0, hi=self.vocab_size - 1, none_ok=True)
+        check_instance(c, "eos_token_ids", self.eos_token_ids, tuple)
+        for i, t in enumerate(self.eos_token_ids):
+            check_int(c, f"eos_token_ids[{i}]", t, lo=0, hi=self.vocab_size - 1)
+        check_instance(c, "longrope", self.longrope, LongRoPEConfig, none_ok=True)
+        check_instance(c, "sparse", self.sparse, SparseConfig)
+        check_instance(c, "forecast", self.forecast, ForecastConfig)
         if self.num_heads % self.num_kv_heads:
             _fail(c, "num_kv_heads", f"({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         if self.head_dim % 2:
@@ -223,10 +292,6 @@ class ModelConfig:
         if self.longrope is not None and 2 * len(self.longrope.short_factor) != self.head_dim:
             _fail(c, "longrope", f"needs head_dim / 2 = {self.head_dim // 2} factors, "
                   f"got {len(self.longrope.short_factor)}")
-        if self.scale_depth is not None and self.scale_depth <= 0:
-            _fail(c, "scale_depth", "must be > 0 or None")
-        if self.dim_model_base is not None and self.dim_model_base <= 0:
-            _fail(c, "dim_model_base", "must be > 0 or None")
         if self.arch == "nosa" and self.sparse.nosa_qk_topk is None:
             _fail(c, "sparse", "arch 'nosa' needs sparse.nosa_qk_topk (the query-aware budget)")
 

@@ -16,10 +16,10 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 
-from sparda_jax.config import ModelConfig
+from sparda_jax.config import ConfigError, ModelConfig, check_float, check_instance, check_int
 from sparda_jax.forecast import forecast_from_hidden
 from sparda_jax.losses import layer_loss
-from sparda_jax.modes import LayerView, forward
+from sparda_jax.modes import MODES, LayerView, forward
 
 __all__ = ["ForecastLossTap", "TrainConfig", "TrainState", "forecast_loss", "make_optimizer", "init_state",
            "train_step"]
@@ -34,6 +34,11 @@ class ForecastLossTap:
     config: ModelConfig
     dtype: str = "float32"
     q_chunk: int = 256
+
+    def __post_init__(self):
+        check_instance("ForecastLossTap", "config", self.config, ModelConfig)
+        check_instance("ForecastLossTap", "dtype", self.dtype, str)
+        check_int("ForecastLossTap", "q_chunk", self.q_chunk, lo=1)
 
     def __call__(self, view: LayerView):
         f = forecast_from_hidden(jnp.where(view.first, view.h, view.h_prev), view.sel, view.cos, view.sin,
@@ -76,14 +81,23 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
+        c = "TrainConfig"
         for name in ("seq_len", "batch", "micro_batch", "steps", "q_chunk"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
+            check_int(c, name, getattr(self, name), lo=1)
+        check_int(c, "seed", self.seed, lo=0, hi=2**32 - 1)
+        check_float(c, "lr", self.lr, lo=0, lo_open=True)
+        check_float(c, "eps", self.eps, lo=0, lo_open=True)
+        check_float(c, "clip", self.clip, lo=0, lo_open=True)
+        check_float(c, "weight_decay", self.weight_decay, lo=0)
+        for name in ("b1", "b2"):
+            check_float(c, name, getattr(self, name), lo=0, hi=1, hi_open=True)
         if self.batch % self.micro_batch:
-            raise ValueError(f"TrainConfig.batch ({self.batch}) must be a multiple of micro_batch "
-                             f"({self.micro_batch})")
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"TrainConfig.dtype must be float32 or bfloat16, got {self.dtype!r}")
+            raise ConfigError(f"TrainConfig.batch: ({self.batch}) must be a multiple of micro_batch "
+                              f"({self.micro_batch})")
+        if not isinstance(self.dtype, str) or self.dtype not in ("float32", "bfloat16"):
+            raise ConfigError(f"TrainConfig.dtype: must be float32 or bfloat16, got {self.dtype!r}")
+        if not isinstance(self.backbone_mode, str) or self.backbone_mode not in MODES:
+            raise ConfigError(f"TrainConfig.backbone_mode: must be one of {MODES}, got {self.backbone_mode!r}")
 
     @property
     def accumulation(self) -> int:

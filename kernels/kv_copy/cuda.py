@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sparda_jax.config import ConfigError
+from sparda_jax.config import ConfigError, check_int
 
 from .reference import block_bytes
 
@@ -59,13 +59,9 @@ class KVCopyConfig:
     threads: int = 256
 
     def __post_init__(self):
-        for name in ("num_ctas", "threads"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-                raise ConfigError(f"KVCopyConfig.{name}: must be an int, got {value!r}")
-        if not 1 <= self.num_ctas <= 1024:
-            raise ConfigError(f"KVCopyConfig.num_ctas: must be in 1..1024, got {self.num_ctas}")
-        if not 32 <= self.threads <= 1024 or self.threads % 32:
+        check_int("KVCopyConfig", "num_ctas", self.num_ctas, lo=1, hi=1024)
+        check_int("KVCopyConfig", "threads", self.threads, lo=32, hi=1024)
+        if self.threads % 32:
             raise ConfigError(f"KVCopyConfig.threads: must be a multiple of 32 in 32..1024, got {self.threads}")
 
 

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from sparda_jax.config import SparseConfig
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
-from .reference import (_check, _check_forecast, n_blocks_for, nosa_refine, select_blocks_forecast_reference,
+from .reference import (_check, _check_forecast, _check_sparse, n_blocks_for, nosa_refine, select_blocks_forecast_reference,
                         select_blocks_infllmv2_reference)
 
 __all__ = ["select_blocks_infllmv2", "select_blocks_forecast", "select_blocks_nosa", "INFLLMV2_BACKENDS",
@@ -95,7 +95,10 @@ def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coars
     q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk] (ascending, -1 padded).
     Exact LSE unless `kc_coarse` is given (`reference.infllmv2_chunk_scores`);
     `sparse.exact_lse=False` without kc_coarse is a ValueError. n_blocks: the row length
-    (default `n_blocks_for(N_c)`). implementation: see the module docstring."""
+    (default `n_blocks_for(N_c)`). implementation: see the module docstring.
+    Raises TypeError if sparse is not a SparseConfig; ValueError for mismatched shapes (H must
+    be a multiple of K)."""
+    _check_sparse(sparse)
     _check(q, kc, q_positions, "H")
     if not sparse.exact_lse and kc_coarse is None:
         raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
@@ -109,7 +112,8 @@ def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks
                            q_chunk: int = 512, implementation: str | None = None) -> jax.Array:
     """SparDA selection from the Forecast. f [B, Tq, K, D] (one head per KV head), kc
     [B, N_c, K, D], q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk].
-    implementation: see the module docstring."""
+    implementation: see the module docstring. Raises TypeError if sparse is not a SparseConfig."""
+    _check_sparse(sparse)
     _check_forecast(f, kc, q_positions)
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
     return FORECAST_BACKENDS(implementation, default_order(f), f, kc, q_positions, sparse, n_blocks=nb,
@@ -121,6 +125,7 @@ def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blo
     """NOSA's two stages. Query-aware: the InfLLM-V2 selection with budget
     `sparse.nosa_qk_topk` (forced blocks included; `implementation` is its backend);
     query-agnostic: `reference.nosa_refine` (XLA). -> int32 [B, K, Tq, sparse.topk]."""
+    _check_sparse(sparse)
     _check(q, kc, q_positions, "H")
     if sparse.nosa_qk_topk is None:
         raise ValueError("select_blocks_nosa needs sparse.nosa_qk_topk")

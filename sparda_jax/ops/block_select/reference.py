@@ -144,11 +144,19 @@ def forecast_chunk_scores(f, kc, q_positions, sparse: SparseConfig) -> jax.Array
     return jnp.where(vis[:, None], logits, -INF)
 
 
+def _check_sparse(sparse) -> None:
+    if not isinstance(sparse, SparseConfig):
+        raise TypeError(f"sparse must be a SparseConfig, got {type(sparse).__name__}")
+
+
 def _check(x, kc, q_positions, heads_name):
     if x.ndim != 4 or kc.ndim != 4:
         raise ValueError(f"expected [B, Tq, {heads_name}, D] and kc [B, N_c, K, D]; got {x.shape}, {kc.shape}")
     if x.shape[0] != kc.shape[0] or x.shape[-1] != kc.shape[-1]:
         raise ValueError(f"batch or head dim mismatch: {x.shape} vs kc {kc.shape}")
+    if heads_name == "H" and x.shape[2] % kc.shape[2]:
+        raise ValueError(f"query heads ({x.shape[2]}) must be a multiple of KV heads ({kc.shape[2]}): "
+                         f"q {x.shape} vs kc {kc.shape}")
     if q_positions.shape != x.shape[:2]:
         raise ValueError(f"q_positions must be [B, Tq] = {x.shape[:2]}, got {q_positions.shape}")
     if not jnp.issubdtype(q_positions.dtype, jnp.integer):
@@ -180,6 +188,7 @@ def select_blocks_infllmv2_reference(q, kc, q_positions, sparse: SparseConfig, *
     """InfLLM-V2 selection from the true queries, in jnp. q [B, Tq, H, D], kc [B, N_c, K, D] ->
     int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
     `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is a ValueError."""
+    _check_sparse(sparse)
     _check(q, kc, q_positions, "H")
     if not sparse.exact_lse and kc_coarse is None:
         raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
@@ -196,6 +205,7 @@ def select_blocks_infllmv2_reference(q, kc, q_positions, sparse: SparseConfig, *
 def select_blocks_forecast_reference(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
                                      q_chunk: int = 512) -> jax.Array:
     """SparDA selection from the Forecast, in jnp. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk]."""
+    _check_sparse(sparse)
     _check_forecast(f, kc, q_positions)
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
 

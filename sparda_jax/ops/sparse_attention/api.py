@@ -15,7 +15,9 @@ back to "xla" there.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
 from ..dense_attention.reference import check_qkv
@@ -45,6 +47,21 @@ def _mosaic_support(implementation: str, q, k, v, block_size: int, bias) -> None
     dims_ok = (d in ((64, 128) if decode else (128,))) if implementation == "mosaic_gpu" else d % 64 == 0
     if not dims_ok:
         raise NotImplementedError(f"the Mosaic GPU {'decode' if decode else 'prefill'} kernel does not take head dim {d}")
+
+
+def _check_block_size(block_size) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+
+
+def _check_ids_below(ids, bound: int, what: str) -> None:
+    """Raise ValueError if a concrete int array `ids` holds a value >= bound. Traced ids (under
+    jit) are not checked: that would cost a device round trip per call."""
+    if isinstance(ids, jax.core.Tracer):
+        return
+    top = int(np.max(np.asarray(ids), initial=-1))
+    if top >= bound:
+        raise ValueError(f"{what} must be < {bound} (or < 0 for padding), got {top}")
 
 
 @BACKENDS.register("xla")
@@ -83,15 +100,23 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
     count once); q_positions int [B, Tq]; bias optional float [B, S, K] added to each key's
     logit (NOSA's cis). -> [B, Tq, H, D] in q's dtype; a query with no visible key gets zeros.
 
+    Block ids must be < n_blocks = ceil(S / block_size). Concrete ids are checked (ValueError);
+    under jit, where they are traced, they are not (an id >= n_blocks gives undefined results).
+
     implementation: "xla" | "mosaic_gpu" | "mosaic_gpu_interpret" (module docstring), or None:
     the first of DEFAULT_ORDER that supports the inputs.
     config: the Mosaic decode kernel's tuning, `decode.DecodeConfig` (Tq == 1); None: its
     defaults. Ignored by "xla". The prefill kernel has none.
-    Raises ValueError for a config with Tq > 1 (any backend), NotImplementedError if the named
-    backend cannot run the inputs.
+    Raises ValueError for block_size < 1, ids out of range, mismatched shapes or a config with
+    Tq > 1 (any backend); NotImplementedError if the named backend cannot run the inputs.
     """
     if config is not None and jnp.ndim(q) == 4 and q.shape[1] > 1:
         raise ValueError(f"config tunes the decode kernel (Tq == 1); the prefill kernel has none (Tq = {q.shape[1]})")
+    _check_block_size(block_size)
+    check_qkv(q, k, v, q_positions)
+    check_block_ids(q, k, block_ids)
+    _check_ids_below(block_ids, -(-k.shape[1] // block_size), f"block ids (of {k.shape[1]} keys in "
+                     f"{block_size}-token blocks)")
     return BACKENDS(implementation, DEFAULT_ORDER, q, k, v, block_ids, q_positions, block_size=block_size,
                     bias=bias, config=config)
 
@@ -134,6 +159,8 @@ def paged_sparse_attention(q, k_pool, v_pool, slots, block_ids, q_positions, *, 
     (Tq == 1, no bias, 64-token blocks, bf16/f16, block ids ascending and unique with -1 padding
     at the end, as the selectors emit them); None: the first of DEFAULT_ORDER that supports the
     inputs. config: the kernel's `decode.DecodeConfig` (None: its defaults).
+    Raises ValueError for block_size < 1.
     """
+    _check_block_size(block_size)
     return PAGED_BACKENDS(implementation, DEFAULT_ORDER, q, k_pool, v_pool, slots, block_ids, q_positions,
                           block_size=block_size, bias_pool=bias_pool, config=config)

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from sparda_jax.config import ConfigError
+from sparda_jax.config import check_int
 
 __all__ = ["DecodeConfig", "sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
            "sparse_decode_split_pass", "combine_splits",
@@ -209,11 +209,10 @@ class DecodeConfig:
     stages: int = DEFAULT_STAGES
 
     def __post_init__(self):
-        if self.n_split is not None and (not isinstance(self.n_split, int) or self.n_split < 1):
-            raise ConfigError(f"DecodeConfig.n_split: must be None or >= 1, got {self.n_split!r}")
-        if not isinstance(self.stages, int) or self.stages < 2:
-            raise ConfigError(f"DecodeConfig.stages: must be >= 2 (a block in flight while one is read), "
-                              f"got {self.stages!r}")
+        check_int("DecodeConfig", "n_split", self.n_split, lo=1, none_ok=True)
+        check_int("DecodeConfig", "stages", self.stages, lo=2)
+
+
 # Hopper: 228 KB of SMEM per SM, 1 KB of it reserved per resident CTA. The kernel at 2 stages
 # (D = 128) needs 87072 B, so two CTAs share an SM; `test_two_ctas_fit_an_sm` holds it to that.
 SMEM_PER_SM, SMEM_RESERVED_PER_CTA = 228 * 1024, 1024

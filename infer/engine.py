@@ -22,7 +22,6 @@ KV on the device; sparse, infinigen, sparda_sync and sparda offload.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -33,7 +32,7 @@ from flax import struct
 from sparda_jax.attention import paged_sparse_attention
 from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_bool, check_instance, check_int
-from sparda_jax.model import DecoderLayer, KVCache, check_layers, embed, per_layer, rope_tables, stacked, unembed
+from sparda_jax.model import DecoderLayer, check_layers, embed, per_layer, rope_tables, stacked, unembed
 from sparda_jax.modes import decode_program, decode_step_plan, layer_inputs, layered_state, prefill
 from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_step, partial_keys, run_layers, \
     select_blocks

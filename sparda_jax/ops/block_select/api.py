@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from sparda_jax.config import SparseConfig
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
-from .reference import (_check, _check_forecast, _check_sparse, n_blocks_for, nosa_refine, select_blocks_forecast_reference,
+from .reference import (_check, _check_forecast, _check_sparse, check_infllmv2, n_blocks_for, nosa_refine, select_blocks_forecast_reference,
                         select_blocks_infllmv2_reference)
 
 __all__ = ["select_blocks_infllmv2", "select_blocks_forecast", "select_blocks_nosa", "INFLLMV2_BACKENDS",
@@ -98,12 +98,7 @@ def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coars
     (default `n_blocks_for(N_c)`). implementation: see the module docstring.
     Raises TypeError if sparse is not a SparseConfig; ValueError for mismatched shapes (H must
     be a multiple of K)."""
-    _check_sparse(sparse)
-    _check(q, kc, q_positions, "H")
-    if not sparse.exact_lse and kc_coarse is None:
-        raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
-                         "coarse_lse_kernel / coarse_lse_stride)")
-    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    nb = check_infllmv2(q, kc, q_positions, sparse, kc_coarse, n_blocks)
     return INFLLMV2_BACKENDS(implementation, default_order(q), q, kc, q_positions, sparse, kc_coarse=kc_coarse,
                              n_blocks=nb, q_chunk=q_chunk)
 

@@ -183,17 +183,23 @@ def _map_query_chunks(fn, q_chunk: int, *arrays):
     return out[:, :, :tq]
 
 
-def select_blocks_infllmv2_reference(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
-                                     n_blocks: int | None = None, q_chunk: int = 128) -> jax.Array:
-    """InfLLM-V2 selection from the true queries, in jnp. q [B, Tq, H, D], kc [B, N_c, K, D] ->
-    int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
-    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is a ValueError."""
+def check_infllmv2(q, kc, q_positions, sparse, kc_coarse, n_blocks) -> int:
+    """The InfLLM-V2 selectors' input checks (module `_check`, exact LSE or kc_coarse); returns
+    the row length n_blocks."""
     _check_sparse(sparse)
     _check(q, kc, q_positions, "H")
     if not sparse.exact_lse and kc_coarse is None:
         raise ValueError("sparse.exact_lse=False needs kc_coarse (keys compressed with "
                          "coarse_lse_kernel / coarse_lse_stride)")
-    nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
+    return n_blocks or n_blocks_for(kc.shape[1], sparse)
+
+
+def select_blocks_infllmv2_reference(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
+                                     n_blocks: int | None = None, q_chunk: int = 128) -> jax.Array:
+    """InfLLM-V2 selection from the true queries, in jnp. q [B, Tq, H, D], kc [B, N_c, K, D] ->
+    int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
+    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is a ValueError."""
+    nb = check_infllmv2(q, kc, q_positions, sparse, kc_coarse, n_blocks)
 
     def one(qc, pc):
         s = infllmv2_chunk_scores(qc, kc, pc, sparse, kc_coarse if not sparse.exact_lse else None)

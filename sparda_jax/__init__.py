@@ -1,12 +1,15 @@
 """sparda-jax: SparDA (Sparse Decoupled Attention) for long-context inference in JAX.
 
-The math lives here as pure functions over explicit pytrees; kernels, training and inference
-are the subpackages `sparda_jax.kernels`, `sparda_jax.train`, `sparda_jax.infer`.
+The math lives here as pure functions over explicit pytrees (one per-layer pipeline,
+`sparda_jax.pipeline`, for every mode); each op with its backends is `sparda_jax.ops`, the Flax
+modules `sparda_jax.nn`; the copy engine, training and inference are `sparda_jax.kernels`,
+`sparda_jax.train`, `sparda_jax.infer`.
 """
 
 from .api import Pretrained, init_model, load_pretrained
 from .attention import dense_attention
-from .config import ConfigError, ForecastConfig, Implementations, LongRoPEConfig, ModelConfig, SparseConfig, get_preset, preset_names
+from .config import (ConfigError, ForecastConfig, Implementations, LongRoPEConfig, ModelConfig, SparseConfig,
+                     get_preset, preset_names)
 from .compress import CompressedKeys, compress_keys
 from .forecast import forecast_param_count, init_forecast
 from .model import KVCache, layered_params, param_count

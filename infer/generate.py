@@ -7,6 +7,7 @@ its own slot before attending, so padding slots are overwritten before they are 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -16,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.config import Implementations, ModelConfig, check_float, check_int
+from sparda_jax.model import check_token_ids
 from sparda_jax.modes import decode_step, prefill
 
 __all__ = ["SamplingConfig", "generate", "sample_next"]
@@ -75,7 +77,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     many tokens, so that batches of different prompt lengths share one compiled prefill and
     decode step. steps_per_call (engine only): decode that many tokens in one device program
     (`infer.engine.engine_generate_steps`, sampling on the device), then stream them: the same
-    tokens and counters, without a host round trip between steps."""
+    tokens and counters, without a host round trip between steps. The block budget
+    `sparse.topk` is clamped to the blocks the cache holds (`_budget_within_cache`: the same
+    selection, bounded memory). Raises ValueError for a token id outside [0, vocab) or a prompt
+    plus max_new_tokens past the model's context."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if steps_per_call < 1 or (steps_per_call > 1 and engine is None):
@@ -88,6 +93,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
         raise ValueError(f"prompt ({lengths.max()} tokens, padded to {t_pad}) + max_new_tokens "
                          f"({sampling.max_new_tokens}) exceeds the model's context "
                          f"({config.max_position_embeddings})")
+    for p in prompts:
+        check_token_ids(np.asarray(p), config.vocab_size)
+    config = _budget_within_cache(config, cache_size)
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
@@ -144,6 +152,25 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
         for k, v in c.items():
             stats[k] += int(v)
     return (out, stats) if return_stats else out
+
+
+def _budget_within_cache(config: ModelConfig, cache_size: int) -> ModelConfig:
+    """The config with the block budget `sparse.topk` clamped to the blocks the cache can ever
+    hold (at least the forced blocks, which the config requires).
+
+    A clamp, not a refusal: selection sorts its ids and pads with -1 past the causal blocks, so
+    any budget >= the cache's blocks selects every visible block, and the smaller one selects
+    the same blocks. It only bounds what is sized by the budget (the selection's ids, the block
+    cache's slots and `assign_slots`' [topk, n_slots] masks): a budget of 100000 on a 38-token
+    prompt would otherwise allocate gigabytes. Refusing a budget past the model's whole context
+    is the caller's choice (the CLI does).
+    """
+    sp = config.sparse
+    limit = max(-(-cache_size // sp.block_size), sp.forced_blocks)
+    if sp.topk <= limit:
+        return config
+    qk = None if sp.nosa_qk_topk is None else min(sp.nosa_qk_topk, limit)
+    return config.replace(sparse=dataclasses.replace(sp, topk=limit, nosa_qk_topk=qk))
 
 
 def _record(tokens, out, done, stop) -> None:

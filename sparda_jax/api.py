@@ -16,7 +16,7 @@ from .config import ModelConfig, get_preset
 from .io.gguf import load_gguf
 from .io.hf import load_hf
 from .io.tokenizer import Tokenizer
-from .model import init_params
+from .model import check_token_ids, init_params
 from .modes import forward
 
 __all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path", "prepare_modes", "mode_kwargs"]
@@ -57,14 +57,19 @@ class Pretrained:
     dtype: Any = jnp.float32
 
     def logits(self, token_ids) -> jax.Array:
-        """int32 [B, T] -> float32 [B, T, vocab], dense causal attention from position 0."""
+        """int32 [B, T] -> float32 [B, T, vocab], dense causal attention from position 0.
+        Raises ValueError for T past the model's context (`config.max_position_embeddings`)
+        or a token id outside [0, vocab), TypeError for non-integer ids."""
         tokens = jnp.asarray(token_ids)
         if tokens.ndim != 2:
             raise ValueError(f"token_ids must be [B, T], got shape {tokens.shape}")
         if not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise TypeError(f"token_ids must be integers, got {tokens.dtype}")
-        if tokens.size and (int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        if tokens.shape[1] > self.config.max_position_embeddings:
+            raise ValueError(f"{tokens.shape[1]} tokens exceed the model's context of "
+                             f"{self.config.max_position_embeddings} (config.max_position_embeddings)")
+        if tokens.size:
+            check_token_ids(np.asarray(tokens), self.config.vocab_size)
         return forward(self.params, tokens.astype(jnp.int32), self.config, dtype=self.dtype)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,66 @@ def _cta_count(s: str):
     return n
 
 
+def _positive_int(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s!r}")
+    return n
+
+
+def _nonnegative_int(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {s!r}")
+    return n
+
+
+def _check_output(path, *, directory: bool = False) -> None:
+    """Refuse (ValueError) an output path the command could not write, before any work: a file
+    output that is an existing directory, a run directory that is an existing file, or a path
+    whose nearest existing ancestor is not a writable directory (the parents are created)."""
+    p = Path(path)
+    if p.exists():
+        if directory and not p.is_dir():
+            raise ValueError(f"output {p} is an existing file; the run needs a directory")
+        if not directory and p.is_dir():
+            raise ValueError(f"output {p} is a directory; give a file path")
+        if not os.access(p, os.W_OK | (os.X_OK if directory else 0)):
+            raise ValueError(f"output {p} is not writable")
+        return
+    parent = p.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"output {p} cannot be created: {parent} is a file")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"output {p} cannot be created: {parent} is not writable")
+
+
+def _with_topk(model, topk: int | None):
+    """The model with its block budget set to topk. The budget counts the forced blocks
+    (`SparseConfig` refuses less, naming SparseConfig.topk); more blocks than the model's whole
+    context holds can never be selected, so such a budget is refused too. (Below that, budgets
+    past a short prompt's blocks are clamped by `generate`.)"""
+    if topk is None:
+        return model
+    import dataclasses
+
+    c = model.config
+    blocks = -(-c.max_position_embeddings // c.sparse.block_size)
+    if topk > blocks:
+        raise ValueError(f"--topk {topk} exceeds the {blocks} blocks of {c.name}'s whole context "
+                         f"({c.max_position_embeddings} tokens in blocks of {c.sparse.block_size})")
+    model.config = c.replace(sparse=dataclasses.replace(c.sparse, topk=topk))
+    return model
+
+
 def _load(args):
     import jax.numpy as jnp
 
@@ -43,10 +104,7 @@ def _load(args):
 
     t0 = time.perf_counter()
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True)
-    if getattr(args, "topk", None):
-        import dataclasses
-
-        model.config = model.config.replace(sparse=dataclasses.replace(model.config.sparse, topk=args.topk))
+    model = _with_topk(model, getattr(args, "topk", None))
     print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model
 
@@ -95,6 +153,8 @@ def _cmd_generate(args) -> int:
 def _cmd_demo(args) -> int:
     from .infer.demo import results_table, run_retrieval
 
+    if args.json:
+        _check_output(args.json)
     model = _load(args)
     results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
                             systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))
@@ -108,7 +168,16 @@ def _cmd_demo(args) -> int:
 def _cmd_eval(args) -> int:
     from .envinfo import environment
 
+    if args.out:
+        for suffix in ("", ".md", ".png"):
+            _check_output(Path(args.out).with_suffix(suffix) if suffix else args.out)
+    if args.forecast and args.forecast != "random" and not Path(args.forecast).is_file():
+        raise FileNotFoundError(f"Forecast file not found: {args.forecast}")
     model = _load(args)
+    too_long = [n for n in args.lengths or () if n > model.config.max_position_embeddings]
+    if too_long:
+        raise ValueError(f"--lengths {too_long[0]} exceeds {model.config.name}'s context of "
+                         f"{model.config.max_position_embeddings} tokens")
     t0 = time.perf_counter()
     env = environment()
     out = Path(args.out) if args.out else None
@@ -171,6 +240,7 @@ def _cmd_train(args) -> int:
     from .train.objective import TrainConfig
     from .train.run import train
 
+    _check_output(args.out, directory=True)
     if args.coordinator:
         import jax
 
@@ -190,6 +260,13 @@ def _cmd_train(args) -> int:
 
 
 def _cmd_bench(args) -> int:
+    if args.name == "copy":
+        import jax
+
+        if not any(d.platform == "gpu" for d in jax.devices()):
+            print(f"sparda: error: bench copy needs a CUDA GPU (found only {jax.default_backend()})",
+                  file=sys.stderr)
+            return 2
     if args.name == "train":
         from .bench.train_step import main as run
     elif args.name == "copy":
@@ -279,12 +356,12 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(e)
     e.add_argument("--suite", choices=["tasks", "selection", "budget"], default="tasks")
     e.add_argument("--modes", nargs="+", help="default: dense sparse infinigen sparda (budget suite: sparse sparda)")
-    e.add_argument("--lengths", type=int, nargs="+",
+    e.add_argument("--lengths", type=_positive_int, nargs="+",
                    help="contexts (default 1024 2048 4096 8192; tasks suite: 8192 becomes the longest that fits "
                         "the model with the answer, 8064 for SmolLM2)")
     e.add_argument("--tasks", nargs="+", help="default: every task (budget suite: niah_single copy)")
-    e.add_argument("--samples", type=int, default=20, help="samples per (task, length, mode) cell")
-    e.add_argument("--seqs", type=int, default=4, help="selection suite: windows of held-out text per length")
+    e.add_argument("--samples", type=_positive_int, default=20, help="samples per (task, length, mode) cell")
+    e.add_argument("--seqs", type=_positive_int, default=4, help="selection suite: windows of held-out text per length")
     e.add_argument("--topks", type=int, nargs="+", default=[12, 16, 24, 32], help="budget suite: block budgets")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--forecast", help="a Forecast .safetensors, or 'random' for an untrained one (default: the "
@@ -308,7 +385,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--keep", type=int, default=3)
-    t.add_argument("--eval-every", type=int, default=50)
+    t.add_argument("--eval-every", type=_nonnegative_int, default=50,
+                   help="recall on held-out text every this many steps (and at the first and last; 0: never)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--coordinator", help="multi-host: coordinator address for jax.distributed")
     t.add_argument("--num-processes", type=int)
@@ -408,7 +486,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sparda: warning: {e}; running without the compilation cache", file=sys.stderr)
     try:
         return args.fn(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, TypeError) as e:  # ConfigError is a ValueError
         print(f"sparda: error: {e}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from .attention import dense_attention
@@ -44,6 +45,8 @@ __all__ = [
     "layer_params",
     "per_layer",
     "stacked",
+    "check_tokens",
+    "check_token_ids",
 ]
 
 Dtype = Any
@@ -308,10 +311,24 @@ class KVCache:
         return self.k.shape[2]
 
 
-def check_tokens(tokens, positions):
+def check_tokens(tokens, positions, vocab_size: int | None = None):
+    """Raise unless tokens is int [B, T] (and positions, if given, of the same shape). With
+    vocab_size, concrete tokens (not traced under jit: no host round trip there) must lie in
+    [0, vocab_size): ValueError naming the first id outside it, since an embedding lookup past
+    the table gives NaN or clamped rows, not an error."""
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be int [B, T], got shape {tokens.shape}")
     if not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise TypeError(f"tokens must be integer, got {tokens.dtype}")
     if positions is not None and positions.shape != tokens.shape:
         raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+    if vocab_size is not None and tokens.size and not isinstance(tokens, jax.core.Tracer):
+        check_token_ids(np.asarray(tokens), vocab_size)
+
+
+def check_token_ids(ids, vocab_size: int) -> None:
+    """ids: an integer array (host) -> ValueError naming the first id outside [0, vocab_size)."""
+    ids = np.asarray(ids)
+    bad = (ids < 0) | (ids >= vocab_size)
+    if bad.any():
+        raise ValueError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})")

@@ -140,11 +140,14 @@ def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", foreca
     aux["tap"] (the Forecast's training loss is one); return_logits=False skips the LM head;
     implementations: each op's backend (None fields: the platform's fastest valid one);
     logits_at int [B, n] computes logits only at those positions ([B, n, vocab]).
+    Raises ValueError for a token id outside [0, vocab) when the tokens are concrete (not
+    under jit). The length is not checked against `max_position_embeddings` here (benchmarks
+    time contexts past it); `Pretrained.logits` and the CLI check it.
     """
     _validate(config, mode, forecast, infinigen, implementations)
     check_layers(params, config)
     tokens = jnp.asarray(tokens)
-    check_tokens(tokens, None)
+    check_tokens(tokens, None, config.vocab_size)
     dense = mode == "dense" or tokens.shape[1] < config.sparse.dense_len
     plan = Plan(config, mode, dense, jnp.dtype(dtype), implementations, collect_selection and not dense)
     logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv,

@@ -4,7 +4,10 @@ config shows the checks do not refuse valid values."""
 
 from __future__ import annotations
 
+import functools
 import math
+import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +42,47 @@ def _select_inputs(heads, kv_heads):
     q = jnp.ones((1, 4, heads, 8), jnp.float32)
     kc = jnp.ones((1, 8, kv_heads, 8), jnp.float32)
     return q, kc, jnp.arange(4, dtype=jnp.int32)[None] + 20
+
+
+@functools.cache
+def _tiny_params():
+    from sparda_jax.api import init_model
+
+    return init_model(TINY, jax.random.key(0))
+
+
+def _tiny_model():
+    from sparda_jax.api import Pretrained
+
+    return Pretrained(TINY, _tiny_params(), None)
+
+
+def _forward(tokens):
+    from sparda_jax import forward
+
+    return forward(_tiny_params(), jnp.asarray(tokens, jnp.int32), TINY)
+
+
+def _generate(prompts, **kw):
+    from sparda_jax.infer.generate import generate
+
+    return generate(_tiny_params(), TINY, prompts, SamplingConfig(max_new_tokens=2), **kw)
+
+
+def _forecast_file(kind: str):
+    """load_forecast on a file of random bytes, or on one of the tiny model's shapes whose tensor f is NaN."""
+    from safetensors.numpy import save_file
+
+    from sparda_jax.io.forecast_file import load_forecast
+
+    path = Path(tempfile.mkdtemp()) / f"{kind}.safetensors"
+    if kind == "random":
+        path.write_bytes(np.random.default_rng(0).bytes(4096))
+    else:
+        f = np.zeros((2, 64, 2, 16), np.float32)
+        f[1, 3] = NAN
+        save_file({"f0_cur": np.zeros((64, 2, 16), np.float32), "f": f}, str(path))
+    return load_forecast(path, TINY)
 
 
 def _paged(block_size):
@@ -145,6 +189,23 @@ BAD = [
      r"TrainConfig\.batch: .* multiple of micro_batch"),
     ("train.backbone_mode='fast'", lambda: TrainConfig(backbone_mode="fast"), ConfigError, r"TrainConfig\.backbone_mode"),
     ("tap.q_chunk=0", lambda: ForecastLossTap(TINY, q_chunk=0), ConfigError, r"ForecastLossTap\.q_chunk: must be >= 1"),
+    # token ids and lengths against the model
+    ("forward token id 10**6", lambda: _forward([[1, 10**6]]), ValueError,
+     r"token id 1000000 is outside the vocabulary \[0, 256\)"),
+    ("forward token id -1", lambda: _forward([[-1, 5]]), ValueError, r"token id -1 is outside the vocabulary"),
+    ("generate token id 10**6", lambda: _generate([[1, 10**6]]), ValueError,
+     r"token id 1000000 is outside the vocabulary \[0, 256\)"),
+    ("generate engine token id 256", lambda: _generate([[3], [1, 256]], engine=EngineConfig("sparse")), ValueError,
+     r"token id 256 is outside the vocabulary \[0, 256\)"),
+    ("logits token id 256", lambda: _tiny_model().logits([[1, 256]]), ValueError,
+     r"token id 256 is outside the vocabulary"),
+    ("logits past the context", lambda: _tiny_model().logits(np.ones((1, 4097), np.int32)), ValueError,
+     r"4097 tokens exceed the model's context of 4096"),
+    # Forecast files
+    ("forecast file of random bytes", lambda: _forecast_file("random"), ValueError,
+     r"random\.safetensors: not a readable safetensors file"),
+    ("forecast file with NaN", lambda: _forecast_file("nan"), ValueError,
+     r"nan\.safetensors: tensor f has 32 non-finite values"),
     # sparse_attention
     ("sparse_attention id 99 of 4 blocks", lambda: sparse_attention(*_attention_inputs([0, 99])), ValueError,
      r"block ids .* must be < 4 .*got 99"),
@@ -223,3 +284,36 @@ def test_sparse_attention_traced_ids_are_not_checked():
     q, k, v, ids, pos = _attention_inputs([0, 99])
     out = jax.jit(lambda i: sparse_attention(q, k, v, i, pos, implementation="xla"))(ids)
     assert out.shape == q.shape
+
+
+def test_generate_clamps_the_budget_to_the_cache(monkeypatch):
+    """A budget far past the prompt's blocks runs with the budget clamped to the cache's blocks
+    (the selection, padded with -1 past the visible blocks, is the same), so nothing is sized by
+    the budget asked for: the same tokens as with the budget set to the cache's blocks."""
+    import dataclasses
+
+    from sparda_jax.infer import engine as engine_mod
+    from sparda_jax.infer.generate import generate
+
+    seen = []
+    real = engine_mod.engine_prefill
+
+    def spy(params, tokens, lengths, config, engine, **kw):
+        seen.append((config.sparse.topk, kw["cache_size"]))
+        assert config.sparse.topk <= 64, "unclamped budget"  # fail before allocating for it
+        return real(params, tokens, lengths, config, engine, **kw)
+
+    monkeypatch.setattr(engine_mod, "engine_prefill", spy)
+    with_topk = lambda k: TINY.replace(sparse=dataclasses.replace(TINY.sparse, topk=k))
+    prompt = [list(np.random.default_rng(1).integers(1, 256, 38))]
+    sampling = SamplingConfig(max_new_tokens=8)
+    eng = EngineConfig("sparse")
+    huge = generate(_tiny_params(), with_topk(100000), prompt, sampling, engine=eng)
+    cache_blocks = -(-(64 + 8) // TINY.sparse.block_size)  # the prompt padded to 64, plus 8 new tokens
+    assert seen == [(cache_blocks, 72)]
+    exact = generate(_tiny_params(), with_topk(cache_blocks), prompt, sampling, engine=eng)
+    assert huge == exact and len(huge[0]) == 8
+    # a budget below the cache's blocks is left alone
+    seen.clear()
+    generate(_tiny_params(), TINY, prompt, sampling, engine=eng)
+    assert seen == [(TINY.sparse.topk, 72)]

@@ -81,7 +81,11 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
           save_every: int = 100, keep: int = 3, eval_every: int = 50, eval_len: int | None = None,
           progress: bool = True, log=print) -> dict:
     """Train the Forecast of `model`; resumes from out_dir/checkpoints if present. Writes
-    metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir."""
+    metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir.
+    eval_every: the held-out recall every this many steps and at the first and last step; 0:
+    never."""
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"eval_every must be an int >= 0 (0: never), got {eval_every!r}")
     c = model.config
     span = c.sparse.forced_blocks * c.sparse.block_size
     if tc.seq_len <= span:
@@ -137,7 +141,7 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
             rec = {"step": step + 1, "loss": loss, "grad_norm": float(m["grad_norm"]),
                    "tokens_per_s": tc.batch * tc.seq_len / dt,
                    "kl_per_layer": [round(float(x), 5) for x in np.asarray(m["kl_per_layer"])]}
-            if (step + 1) % eval_every == 0 or step + 1 == tc.steps or step == start:
+            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == tc.steps or step == start):
                 rec["recall"] = eval_recall(backbone, state.forecast, held_out, c, dtype)
             mf.write(json.dumps(rec) + "\n")
             mf.flush()

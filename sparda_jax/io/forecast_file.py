@@ -41,20 +41,34 @@ def save_forecast(path: str | Path, forecast: dict, config: ModelConfig, *, meta
 
 
 def load_forecast(path: str | Path, config: ModelConfig) -> dict:
-    """Read a Forecast file and check it against the config. Returns float32 params."""
+    """Read a Forecast file and check it against the config. Returns float32 params.
+
+    Raises FileNotFoundError for a missing file, and CheckpointError (a ValueError) naming the
+    file for one that is not safetensors, holds other tensors or shapes, or (naming the tensor
+    too) holds a NaN or inf: such a Forecast would select blocks at random.
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Forecast file not found: {path}")
-    with safe_open(str(path), framework="flax") as f:
-        meta = f.metadata() or {}
-        names = set(f.keys())
-        if names != {"f0_cur", "f"}:
-            raise CheckpointError(f"{path}: not a Forecast file (tensors {sorted(names)})")
-        out = {n: jnp.asarray(f.get_tensor(n), jnp.float32) for n in names}
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            names = set(f.keys())
+            if names != {"f0_cur", "f"}:
+                raise CheckpointError(f"{path}: not a Forecast file (tensors {sorted(names)})")
+            arrays = {n: np.asarray(f.get_tensor(n), np.float32) for n in names}
+    except CheckpointError:
+        raise
+    except Exception as e:  # safetensors' SafetensorError (a corrupt or foreign file), OSError
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
     for name, shape in _shapes(config).items():
-        if tuple(out[name].shape) != shape:
-            raise CheckpointError(f"{path}: {name} has shape {tuple(out[name].shape)}, model "
+        if tuple(arrays[name].shape) != shape:
+            raise CheckpointError(f"{path}: {name} has shape {tuple(arrays[name].shape)}, model "
                                   f"{config.name!r} needs {shape} (trained for {meta.get('model', '?')!r})")
+        bad = int(np.size(arrays[name]) - np.count_nonzero(np.isfinite(arrays[name])))
+        if bad:
+            raise CheckpointError(f"{path}: tensor {name} has {bad} non-finite values (NaN or inf)")
+    out = {n: jnp.asarray(a) for n, a in arrays.items()}
     return {"f0_cur": {"kernel": out["f0_cur"]}, "f": {"kernel": out["f"]}}
 
 

@@ -1,0 +1,132 @@
+"""The CLI's admission checks: each bad input is answered with one line naming the problem and
+exit code 2, no traceback, and (where the check needs no model) before the model loads. The
+model loader is replaced by the tiny preset with random weights, so no row loads SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from sparda_jax import api
+from sparda_jax.api import Pretrained, init_model
+from sparda_jax.cli import main
+from sparda_jax.config import get_preset
+
+TINY = get_preset("tiny")  # max_position_embeddings 4096 = 256 blocks of 16; forced blocks 3
+
+
+class ByteTokenizer:
+    """A stand-in for the tiny model's 256-token vocabulary (as in test_train.py)."""
+
+    eos_ids = (0,)
+
+    def encode(self, text):
+        return [b if b else 1 for b in text.encode("utf-8")]
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+@pytest.fixture(scope="module")
+def tiny_params():
+    return init_model(TINY, jax.random.key(0))
+
+
+@pytest.fixture
+def loads(monkeypatch, tiny_params):
+    """load_pretrained -> the tiny model; returns the list of names loaded."""
+    loaded = []
+
+    def load(name, **kw):
+        loaded.append(name)
+        return Pretrained(TINY, tiny_params, ByteTokenizer())
+
+    monkeypatch.setattr(api, "load_pretrained", load)
+    return loaded
+
+
+def _files(tmp_path):
+    """A directory, a file, and Forecast files of the tiny model's shapes: random bytes; all NaN."""
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "r.md").mkdir()
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "random.safetensors").write_bytes(np.random.default_rng(0).bytes(4096))
+    shapes = {"f0_cur": (64, 2, 16), "f": (2, 64, 2, 16)}
+    save_file({n: np.full(s, np.nan, np.float32) for n, s in shapes.items()}, str(tmp_path / "nan.safetensors"))
+
+
+# (id, argv with {tmp} for the test's folder, message fragment, True if refused before loading)
+ROWS = [
+    ("generate --topk 0", ["generate", "--prompt", "x", "--topk", "0"], "SparseConfig.topk: must be >= 1", False),
+    ("generate --topk below forced", ["generate", "--prompt", "x", "--topk", "2"],
+     "SparseConfig.topk: (2) counts the forced blocks and must be >= init_blocks + local_blocks + 1 = 3", False),
+    ("generate --topk 100000", ["generate", "--prompt", "x", "--topk", "100000"],
+     "--topk 100000 exceeds the 256 blocks of tiny's whole context", False),
+    ("eval --topk 2000", ["eval", "--topk", "2000"], "--topk 2000 exceeds the 256 blocks", False),
+    ("eval --lengths 20000", ["eval", "--suite", "selection", "--lengths", "1024", "20000"],
+     "--lengths 20000 exceeds tiny's context of 4096 tokens", False),
+    ("demo --json dir", ["demo", "--json", "{tmp}/dir"], "is a directory; give a file path", True),
+    ("demo --json under a file", ["demo", "--json", "{tmp}/file/out.json"], "cannot be created: {tmp}/file is a file",
+     True),
+    ("eval --out dir", ["eval", "--out", "{tmp}/dir"], "is a directory; give a file path", True),
+    ("eval --out: the .md beside it is a dir", ["eval", "--out", "{tmp}/r.json"], "{tmp}/r.md is a directory", True),
+    ("train --out file", ["train", "--out", "{tmp}/file"], "is an existing file; the run needs a directory", True),
+    ("eval --forecast missing", ["eval", "--forecast", "{tmp}/none.safetensors"], "Forecast file not found", True),
+    ("eval --forecast random bytes", ["eval", "--forecast", "{tmp}/random.safetensors"],
+     "{tmp}/random.safetensors: not a readable safetensors file", False),
+    ("eval --forecast NaN", ["eval", "--forecast", "{tmp}/nan.safetensors"],
+     "{tmp}/nan.safetensors: tensor f0_cur has 2048 non-finite values", False),
+    ("bench copy on a CPU", ["bench", "copy"], "bench copy needs a CUDA GPU", True),
+]
+
+
+@pytest.mark.parametrize("argv,message,before_load", [r[1:] for r in ROWS], ids=[r[0] for r in ROWS])
+def test_bad_input_is_one_line_and_exit_2(argv, message, before_load, tmp_path, loads, capsys):
+    _files(tmp_path)
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert jax.default_backend() == "cpu"  # the bench copy row's premise
+    assert main(["--no-compile-cache", *argv]) == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if l.startswith("sparda: error:")]
+    assert len(lines) == 1, err
+    assert message.replace("{tmp}", str(tmp_path)) in lines[0], err
+    assert "Traceback" not in err
+    if before_load:
+        assert loads == []
+    else:
+        assert loads == ["smollm2-135m"]
+
+
+# argparse refuses these itself: usage plus one error line, exit code 2
+USAGE = [
+    ("eval --seqs 0", ["eval", "--suite", "selection", "--seqs", "0"], "--seqs: must be a positive integer, got '0'"),
+    ("eval --samples 0", ["eval", "--samples", "0"], "--samples: must be a positive integer, got '0'"),
+    ("eval --lengths -5", ["eval", "--lengths", "-5"], "--lengths: must be a positive integer"),
+    ("train --eval-every -1", ["train", "--out", "x", "--eval-every", "-1"],
+     "--eval-every: must be an integer >= 0, got '-1'"),
+]
+
+
+@pytest.mark.parametrize("argv,message", [u[1:] for u in USAGE], ids=[u[0] for u in USAGE])
+def test_argparse_refuses(argv, message, loads, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert loads == []
+
+
+def test_train_eval_every_0_means_never(tmp_path, loads, capsys):
+    """--eval-every 0 trains without the held-out recall (no ZeroDivisionError) and finishes."""
+    out = tmp_path / "run"
+    assert main(["--no-compile-cache", "train", "--out", str(out), "--seq-len", "64", "--steps", "2", "--batch", "2",
+                 "--micro-batch", "1", "--train-dtype", "float32", "--eval-every", "0", "--save-every", "2"]) == 0
+    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not any("recall" in r for r in rows)
+    assert (out / "forecast.safetensors").is_file()

@@ -68,8 +68,7 @@ class Pretrained:
         if tokens.shape[1] > self.config.max_position_embeddings:
             raise ValueError(f"{tokens.shape[1]} tokens exceed the model's context of "
                              f"{self.config.max_position_embeddings} (config.max_position_embeddings)")
-        if tokens.size:
-            check_token_ids(np.asarray(tokens), self.config.vocab_size)
+        check_token_ids(tokens, self.config.vocab_size)
         return forward(self.params, tokens.astype(jnp.int32), self.config, dtype=self.dtype)
 
 

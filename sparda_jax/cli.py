@@ -320,7 +320,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default=default,
                         help="smollm2-135m, a .gguf file or an HF checkpoint directory")
         sp.add_argument("--dtype", choices=_DTYPES, default="float32", help="compute dtype")
-        sp.add_argument("--topk", type=int, help="block budget (forced blocks included); default: the preset's")
+        sp.add_argument("--topk", type=int,
+                        help="block budget, forced blocks included, at most the model's context in blocks "
+                             "(generate clamps it to the blocks of its cache); default: the preset's")
 
     g = sub.add_parser("generate", help="generate text (streaming)")
     model_args(g)

@@ -322,13 +322,18 @@ def check_tokens(tokens, positions, vocab_size: int | None = None):
         raise TypeError(f"tokens must be integer, got {tokens.dtype}")
     if positions is not None and positions.shape != tokens.shape:
         raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
-    if vocab_size is not None and tokens.size and not isinstance(tokens, jax.core.Tracer):
-        check_token_ids(np.asarray(tokens), vocab_size)
+    if (vocab_size is not None and tokens.size and not isinstance(tokens, jax.core.Tracer)
+            and getattr(tokens, "is_fully_addressable", True)):
+        check_token_ids(tokens, vocab_size)
 
 
 def check_token_ids(ids, vocab_size: int) -> None:
-    """ids: an integer array (host) -> ValueError naming the first id outside [0, vocab_size)."""
-    ids = np.asarray(ids)
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bad.any():
-        raise ValueError(f"token id {int(ids[bad][0])} is outside the vocabulary [0, {vocab_size})")
+    """ids: an integer array (NumPy, or JAX: reduced on its device, two scalars come back) ->
+    ValueError naming an id outside [0, vocab_size) (the smallest if negative, else the largest)."""
+    xp = jnp if isinstance(ids, jax.Array) else np
+    ids = ids if xp is jnp else np.asarray(ids)
+    if not ids.size:
+        return
+    lo, hi = int(xp.min(ids)), int(xp.max(ids))
+    if lo < 0 or hi >= vocab_size:
+        raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")

@@ -122,7 +122,14 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
                                   steps_per_call, on_step, return_stats, run, engine)
+    # the prompt's token is read (and streamed) before the first decode step is dispatched, so
+    # that step's compile counts after it: the first token does not wait for it
+    _record(nxt, out, done, stop)
+    if on_step is not None:
+        on_step(out)
     for step in range(sampling.max_new_tokens):
+        if done.all():
+            break
         ahead = None
         if step < sampling.max_new_tokens - 1:
             # the next step is dispatched before this token is read on the host, so the device
@@ -132,9 +139,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
             positions = positions + 1
             key, sub = jax.random.split(key)
             ahead = (sample_next(logits, sub, sampling.temperature, sampling.top_p), st)
-        _record(nxt, out, done, stop)
-        if on_step is not None:
-            on_step(out)
+        if step > 0:
+            _record(nxt, out, done, stop)
+            if on_step is not None:
+                on_step(out)
         if ahead is None or done.all():
             break
         nxt, st = ahead

@@ -128,3 +128,28 @@ def test_generate_command_prints_the_first_call_apart(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == ("[5 prompt tokens, 10 new tokens in 65.0 s: prefill 3.00 s, first step 60.00 s, "
                    "steady 4.0 tok/s over 8 steps]")
+
+
+@pytest.mark.parametrize("system", ["sparda", "dense_resident", None])
+def test_the_decode_program_compiles_once(system, caplog):
+    """The first decode step is fed the prefill's outputs, later ones the previous step's; both
+    must be committed alike, or the decode program compiles a second time (a jit's compile key
+    holds whether each argument is committed). None: the resident `mode` path, no engine."""
+    import logging
+
+    from sparda_jax import init_forecast
+    from sparda_jax.infer.engine import EngineConfig
+    from sparda_jax.infer.generate import SamplingConfig, generate
+
+    config = get_preset("tiny")
+    params = init_model(config, jax.random.key(0))
+    forecast = init_forecast(config, jax.random.key(2))
+    engine = None if system is None else EngineConfig(system)
+    program = {"sparda": "_engine_decode_impl", "dense_resident": "decode_program", None: "decode_program"}[system]
+    prompt = list(range(1, 131 + (system is None)))  # padded to 192: shapes no other test here compiles
+    with jax.log_compiles(), caplog.at_level(logging.WARNING):
+        out = generate(params, config, [prompt], SamplingConfig(max_new_tokens=5), mode="sparda", forecast=forecast,
+                       engine=engine)
+    assert len(out[0]) == 5
+    compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"Compiling jit({program})")]
+    assert len(compiles) == 1, [c[:200] for c in compiles]

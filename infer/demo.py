@@ -8,7 +8,6 @@ Deterministic for a seed.
 from __future__ import annotations
 
 import random
-import time
 
 import jax.numpy as jnp
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ from sparda_jax.text import haystack_tokens, insert_at_depth
 
 from .engine import EngineConfig, selector_of
 from .generate import SamplingConfig, generate
+from .timing import StepTimer
 
 __all__ = ["RetrievalCase", "make_case", "run_retrieval", "results_table"]
 
@@ -60,7 +60,11 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
                   max_new_tokens: int = 32, systems=("dense_resident", "sparse", "sparda"), forecast=None,
                   log=print) -> list[dict]:
     """Generate an answer for each depth and system (`infer.engine.ENGINE_MODES`); returns one
-    result dict per case, with the offload systems' block miss rate and bytes copied."""
+    result dict per case: mode, context_tokens, depth, expected, answer, correct; the timing of
+    `infer.timing.DecodeTiming` in seconds: prefill_s, first_decode_s (the first decode step,
+    its compile and the copy library's build included), steady_decode_tokens_per_s over
+    steady_decode_steps steps after the first (None below 2), total_s; and for offload systems
+    miss_rate (blocks copied / blocks selected) and copied_bytes_per_token (else None)."""
     if model.tokenizer is None:
         raise ValueError("the retrieval demo needs a model with a tokenizer")
     for s in systems:
@@ -75,18 +79,17 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
 
 
 def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_new_tokens: int, log) -> dict:
-    t0 = time.perf_counter()
-    steps = []
+    """One case under one system: a result dict (see `run_retrieval`)."""
     kw = mode_kwargs(extra, selector_of(system))
     kw.pop("mode")
+    timer = StepTimer()
+    timer.start()
     out, st = generate(model.params, model.config, [case.prompt_ids],
                        SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
-                       dtype=model.dtype, engine=EngineConfig(system), return_stats=True, **kw,
-                       on_step=lambda g: steps.append(time.perf_counter()))
-    total = time.perf_counter() - t0
+                       dtype=model.dtype, engine=EngineConfig(system), return_stats=True, **kw, on_step=timer)
+    t = timer.timing(max_new_tokens=max_new_tokens)
     answer = model.tokenizer.decode(out[0])
-    first = steps[0] - t0 if steps else total
-    decode_s = (steps[-1] - steps[0]) if len(steps) > 1 else 0.0
+    rate = t.steady_tokens_per_s
     c = model.config
     block_bytes = 2 * c.sparse.block_size * c.head_dim * jnp.dtype(model.dtype).itemsize  # K and V, one head
     r = {
@@ -96,26 +99,26 @@ def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_n
         "expected": f"{case.name}, Room {case.room}",
         "answer": answer,
         "correct": case.correct(answer),
-        "prefill_s": round(first, 3),
-        "decode_tokens_per_s": round((len(steps) - 1) / decode_s, 2) if decode_s > 0 else None,
-        "total_s": round(total, 3),
+        "prefill_s": round(t.prefill_s, 3),
+        "first_decode_s": None if t.first_decode_s is None else round(t.first_decode_s, 3),
+        "steady_decode_tokens_per_s": None if rate is None else round(rate, 2),
+        "steady_decode_steps": t.steady_steps,
+        "total_s": round(t.total_s, 3),
         "miss_rate": round(st["copied_blocks"] / st["selected_blocks"], 4) if st["selected_blocks"] else None,
         "copied_bytes_per_token": round(st["copied_blocks"] * block_bytes / st["steps"]) if st["steps"] else None,
     }
     log(f"[{r['mode']}] depth {case.depth:.2f}, {r['context_tokens']} tokens: {answer!r} "
-        f"({'correct' if r['correct'] else 'WRONG'}; expected {r['expected']}); "
-        f"prefill {r['prefill_s']:.2f} s (compile included on a mode's first case), "
-        f"decode {r['decode_tokens_per_s']} tok/s"
+        f"({'correct' if r['correct'] else 'WRONG'}; expected {r['expected']}); {t.summary()}"
         + (f", block miss rate {r['miss_rate']:.3f}, {r['copied_bytes_per_token'] / 1e6:.2f} MB copied per token"
            if r["miss_rate"] is not None else ""))
     return r
 
 
 def results_table(results: list[dict]) -> str:
-    cols = ["mode", "context_tokens", "depth", "correct", "prefill_s", "decode_tokens_per_s", "miss_rate",
-            "copied_bytes_per_token", "answer"]
+    cols = ["mode", "context_tokens", "depth", "correct", "prefill_s", "first_decode_s", "steady_decode_tokens_per_s",
+            "steady_decode_steps", "miss_rate", "copied_bytes_per_token", "answer"]
     lines = [" | ".join(cols), " | ".join("---" for _ in cols)]
     for r in results:
-        lines.append(" | ".join(str(r[c]) for c in cols))
+        lines.append(" | ".join("-" if r[c] is None else str(r[c]) for c in cols))
     return "\n".join(lines)
 

@@ -99,21 +99,27 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
+    # the first decode step gets committed arguments (on the weights' device), as every later
+    # step does (it is fed the previous step's outputs): a jit's compile key holds whether each
+    # argument is committed, so otherwise the decode program compiles twice
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
+    commit = functools.partial(jax.tree.map, lambda x: jax.device_put(x, device)
+                               if isinstance(x, jax.Array) and not x.committed else x)
     run = dict(forecast=forecast, infinigen=infinigen, dtype=dtype)
     if engine is not None:
         from .engine import EngineConfig, engine_decode_step, engine_prefill
 
         if not isinstance(engine, EngineConfig):
             raise TypeError(f"engine must be an EngineConfig, got {type(engine).__name__}")
-        logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
-                                       cache_size=cache_size, **run)
+        logits, state = commit(engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
+                                              cache_size=cache_size, **run))
 
         def step_fn(params, tok, pos, state, config):
             return engine_decode_step(params, tok, pos, state, config, engine, **run)
     else:
         run.update(mode=mode, implementations=implementations)
-        logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size,
-                                **run)
+        logits, state = commit(prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config,
+                                       cache_size=cache_size, **run))
 
         def step_fn(*args, **kw):
             lg, st = decode_step(*args, **run, **kw)
@@ -130,7 +136,14 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
                                   steps_per_call, on_step, return_stats, run, engine)
+    # the prompt's token is read (and streamed) before the first decode step is dispatched, so
+    # that step's compile counts after it: the first token does not wait for it
+    _record(nxt, out, done, stop)
+    if on_step is not None:
+        on_step(out)
     for step in range(sampling.max_new_tokens):
+        if done.all():
+            break
         ahead = None
         if step < sampling.max_new_tokens - 1:
             # the next step is dispatched before this token is read on the host, so the device
@@ -140,9 +153,10 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
             positions = positions + 1
             key, sub = jax.random.split(key)
             ahead = (sample_next(logits, sub, sampling.temperature, sampling.top_p), st)
-        _record(nxt, out, done, stop)
-        if on_step is not None:
-            on_step(out)
+        if step > 0:
+            _record(nxt, out, done, stop)
+            if on_step is not None:
+                on_step(out)
         if ahead is None or done.all():
             break
         nxt, st = ahead

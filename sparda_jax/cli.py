@@ -140,13 +140,18 @@ def _cmd_generate(args) -> int:
     extra = prepare_modes(model, [engine.selector], seed=args.seed)
     kw = mode_kwargs(extra, engine.selector)
     kw.pop("mode")
-    t0 = time.perf_counter()
+    from .infer.timing import StepTimer
+
+    timer = StepTimer(then=stream)
+    timer.start()
     out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
-                   dtype=model.dtype, engine=engine, on_step=stream, steps_per_call=args.steps_per_call, **kw)
-    dt = time.perf_counter() - t0
+                   dtype=model.dtype, engine=engine, on_step=timer, steps_per_call=args.steps_per_call, **kw)
+    timing = timer.timing(steps_per_call=args.steps_per_call, max_new_tokens=args.max_new_tokens)
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
-    print(f"[{len(ids)} prompt tokens, {len(out[0])} new tokens in {dt:.1f} s]", file=sys.stderr)
+    # the first decode call (compile, the copy library's build) apart from the steady state
+    print(f"[{len(ids)} prompt tokens, {len(out[0])} new tokens in {timing.total_s:.1f} s: {timing.summary()}]",
+          file=sys.stderr)
     return 0
 
 

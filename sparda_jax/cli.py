@@ -400,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int)
     t.set_defaults(fn=_cmd_train)
 
-    bn = sub.add_parser("bench", help="efficiency benchmarks; JSON under bench/results/<benchmark>/")
+    bn = sub.add_parser("bench", help="efficiency benchmarks, each writing a JSON with its provenance")
     bn.add_argument("name", choices=["train", "copy", "select", "attention", "prefill", "decode", "cta"])
     bn.add_argument("--preset", default="minicpm4.1-8b")
     bn.add_argument("--seq-len", type=int, default=32768)
@@ -470,7 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")
-    bn.add_argument("--out", help="result JSON (default: bench/results/<benchmark>/<name>.json)")
+    bn.add_argument("--out", help="result JSON (default: the benchmark's own folder of the repository's results)")
     bn.set_defaults(fn=_cmd_bench)
 
     i = sub.add_parser("info", help="list the presets with their parameter counts")

@@ -334,6 +334,7 @@ def check_token_ids(ids, vocab_size: int) -> None:
     ids = ids if xp is jnp else np.asarray(ids)
     if not ids.size:
         return
-    lo, hi = int(xp.min(ids)), int(xp.max(ids))
+    with jax.ensure_compile_time_eval():  # concrete ids inside a trace (a closed-over array) reduce eagerly
+        lo, hi = int(xp.min(ids)), int(xp.max(ids))
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"token id {lo if lo < 0 else hi} is outside the vocabulary [0, {vocab_size})")

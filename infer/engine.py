@@ -32,7 +32,8 @@ from flax import struct
 from sparda_jax.attention import paged_sparse_attention
 from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_bool, check_instance, check_int
-from sparda_jax.model import DecoderLayer, check_layers, embed, per_layer, rope_tables, stacked, unembed
+from sparda_jax.model import (DecoderLayer, check_layers, commit_to_params_device, embed, per_layer, rope_tables,
+                              stacked, unembed)
 from sparda_jax.modes import decode_program, decode_step_plan, layer_inputs, layered_state, prefill
 from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_step, partial_keys, run_layers, \
     select_blocks
@@ -158,7 +159,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
         OffloadLayer({n: jnp.zeros((b, kh, n_slots, bs, a.shape[-1]), a.dtype) for n, a in full.items()},
                      jnp.full((b, kh, n_slots), -1, jnp.int32), ly.ckeys, ly.ccis, ly.pk)
         for ly in layers[1:])
-    return last, OffloadState(layers[0], host, offloaded)
+    return last, commit_to_params_device(OffloadState(layers[0], host, offloaded), params)
 
 
 @dataclasses.dataclass(frozen=True)

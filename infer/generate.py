@@ -99,27 +99,22 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
-    # the first decode step gets committed arguments (on the weights' device), as every later
-    # step does (it is fed the previous step's outputs): a jit's compile key holds whether each
-    # argument is committed, so otherwise the decode program compiles twice
-    device = next(iter(jax.tree.leaves(params)[0].devices()))
-    commit = functools.partial(jax.tree.map, lambda x: jax.device_put(x, device)
-                               if isinstance(x, jax.Array) and not x.committed else x)
     run = dict(forecast=forecast, infinigen=infinigen, dtype=dtype)
     if engine is not None:
         from .engine import EngineConfig, engine_decode_step, engine_prefill
 
         if not isinstance(engine, EngineConfig):
             raise TypeError(f"engine must be an EngineConfig, got {type(engine).__name__}")
-        logits, state = commit(engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
-                                              cache_size=cache_size, **run))
+        # prefill and engine_prefill hand back committed states: the decode step compiles once
+        logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
+                                       cache_size=cache_size, **run)
 
         def step_fn(params, tok, pos, state, config):
             return engine_decode_step(params, tok, pos, state, config, engine, **run)
     else:
         run.update(mode=mode, implementations=implementations)
-        logits, state = commit(prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config,
-                                       cache_size=cache_size, **run))
+        logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size,
+                                **run)
 
         def step_fn(*args, **kw):
             lg, st = decode_step(*args, **run, **kw)

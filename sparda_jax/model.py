@@ -269,6 +269,16 @@ def layer_params(layers, i: int):
     return jax.tree.map(lambda a: a[i], layers)
 
 
+def commit_to_params_device(tree, params):
+    """tree with every uncommitted jax.Array placed (committed) on the device of params' first
+    leaf; other leaves as they are. A decode step's state after one step is the step's own
+    committed output, and a jit's compile key holds whether each argument is committed: a state
+    handed over uncommitted would compile the step twice."""
+    device = next(iter(jax.tree.leaves(params)[0].devices()))
+    return jax.tree.map(lambda x: jax.device_put(x, device) if isinstance(x, jax.Array) and not x.committed else x,
+                        tree)
+
+
 def check_layers(params, config: ModelConfig):
     layers = params["layers"]
     n = len(layers) if isinstance(layers, tuple) else int(jax.tree.leaves(layers)[0].shape[0])

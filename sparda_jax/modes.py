@@ -27,8 +27,8 @@ import numpy as np
 from .compress import CompressedKeys
 from .config import Implementations, ModelConfig
 from .forecast import selector_kernels
-from .model import (DecoderLayer, KVCache, check_layers, check_tokens, embed, layer_params, per_layer, rope_tables,
-                    stacked, unembed)
+from .model import (DecoderLayer, KVCache, check_layers, check_tokens, commit_to_params_device, embed, layer_params,
+                    per_layer, rope_tables, stacked, unembed)
 from .pipeline import MODES, Ctx, DecodeState, LayerIn, Plan, PromptKV, layer_step, run_layers
 
 __all__ = ["MODES", "Mode", "LayerView", "forward", "prefill", "decode_step", "DecodeState", "layered_state",
@@ -207,7 +207,7 @@ def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mo
                           implementations=implementations, return_kv=True, logits_at=(lengths - 1)[:, None])
     state = _build_state(config, aux, lengths, cache_size, infinigen if mode == "infinigen" else None,
                          mode != "dense")
-    return logits[:, 0], state
+    return commit_to_params_device((logits[:, 0], state), params)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))

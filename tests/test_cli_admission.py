@@ -16,19 +16,9 @@ from sparda_jax.api import Pretrained, init_model
 from sparda_jax.cli import main
 from sparda_jax.config import get_preset
 
+from byte_tokenizer import ByteTokenizer
+
 TINY = get_preset("tiny")  # max_position_embeddings 4096 = 256 blocks of 16; forced blocks 3
-
-
-class ByteTokenizer:
-    """A stand-in for the tiny model's 256-token vocabulary (as in test_train.py)."""
-
-    eos_ids = (0,)
-
-    def encode(self, text):
-        return [b if b else 1 for b in text.encode("utf-8")]
-
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
 
 
 @pytest.fixture(scope="module")

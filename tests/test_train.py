@@ -21,19 +21,9 @@ from sparda_jax.train.data import WindowSampler, tokenize_documents
 from sparda_jax.train.objective import TrainConfig, forecast_loss, init_state, train_step
 from sparda_jax.train.run import train
 
+from byte_tokenizer import ByteTokenizer
+
 TINY = get_preset("tiny")
-
-
-class ByteTokenizer:
-    """A stand-in for the tiny model's 256-token vocabulary."""
-
-    eos_ids = (0,)
-
-    def encode(self, text):
-        return [b if b else 1 for b in text.encode("utf-8")]
-
-    def decode(self, ids):
-        return bytes(ids).decode("utf-8", errors="replace")
 
 
 @pytest.fixture(scope="module")

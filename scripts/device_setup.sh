@@ -1,5 +1,6 @@
 # Source this on the GPU machine (device tool): installs the package over the image's JAX,
-# carried wheels (.whl/), and reassembles the SmolLM2 GGUF from parts carried in earlier calls.
+# carried wheels (.whl/), reassembles the SmolLM2 GGUF from parts carried in earlier calls, and
+# gathers token shards carried under .data/ (xz-compressed .npy.xz: unpacked) into /root/data.
 # Usage in a device call:  source scripts/device_setup.sh
 set -e
 [ -f .commit ] && export SPARDA_COMMIT=$(cat .commit)  # written by `git rev-parse HEAD > .commit` before the call
@@ -13,8 +14,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 mkdir -p /root/model
 for p in .model/smol.part*; do [ -f "$p" ] && cp "$p" /root/model/; done
-if [ -f /root/model/smol.part00 ] && [ -f /root/model/smol.part01 ]; then
-  cat /root/model/smol.part00 /root/model/smol.part01 > /root/model/smollm2.gguf
-  export SPARDA_SMOLLM2_GGUF=/root/model/smollm2.gguf
+if [ -d .data ]; then  # a corpus's manifest.json and shards, possibly over several calls
+  mkdir -p /root/data && cp -r .data/. /root/data/
+  find /root/data -name '*.xz' -exec xz -d -f -T0 {} +
 fi
+# the GGUF travels as parts (smol.part00, 01, ...) with its sha256 (smol.sha256): joined once all are there
+if [ -f .model/smol.sha256 ]; then cp .model/smol.sha256 /root/model/; fi
+if [ -f /root/model/smol.sha256 ] && [ ! -f /root/model/smollm2.gguf ]; then
+  cat /root/model/smol.part* > /root/model/joined.gguf
+  if [ "$(sha256sum < /root/model/joined.gguf | cut -c1-64)" = "$(cut -c1-64 /root/model/smol.sha256)" ]; then
+    mv /root/model/joined.gguf /root/model/smollm2.gguf
+  else
+    rm -f /root/model/joined.gguf; echo "device_setup: SmolLM2 GGUF incomplete ($(ls /root/model | tr '\n' ' '))"
+  fi
+fi
+if [ -f /root/model/smollm2.gguf ]; then export SPARDA_SMOLLM2_GGUF=/root/model/smollm2.gguf; fi
 set +e

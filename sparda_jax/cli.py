@@ -242,6 +242,7 @@ def _cmd_eval(args) -> int:
 def _cmd_train(args) -> int:
     import dataclasses
 
+    from .train.augment import RetrievalMix
     from .train.objective import TrainConfig
     from .train.run import train
 
@@ -255,10 +256,14 @@ def _cmd_train(args) -> int:
         kernel, stride = args.teacher
         model.config = model.config.replace(forecast=dataclasses.replace(
             model.config.forecast, teacher_kernel_size=kernel, teacher_kernel_stride=stride))
+    if args.supervision_k is not None:
+        model.config = model.config.replace(forecast=dataclasses.replace(
+            model.config.forecast, supervision_k=args.supervision_k))
+    mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
     tc = TrainConfig(seq_len=args.seq_len, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
                      lr=args.lr, dtype=args.train_dtype, seed=args.seed)
     summary = train(model, tc, args.out, data_paths=args.data, data_devices=args.data_devices,
-                    save_every=args.save_every, keep=args.keep, eval_every=args.eval_every,
+                    save_every=args.save_every, keep=args.keep, eval_every=args.eval_every, mix=mix,
                     log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(summary, indent=2))
     return 0
@@ -389,6 +394,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
     t.add_argument("--teacher", type=int, nargs=2, metavar=("KERNEL", "STRIDE"),
                    help="teacher compression (default 2 1; the paper's ablation uses 32 16)")
+    t.add_argument("--supervision-k", type=_positive_int,
+                   help="teacher positions kept apart in the loss, on the compressed grid (default: the preset's)")
+    t.add_argument("--repeat-share", type=float, default=0.0,
+                   help="share of training windows given a long-range repeated span (train.augment)")
+    t.add_argument("--scatter-share", type=float, default=0.0,
+                   help="share of training windows given a shuffled copy of scattered short spans")
     t.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--keep", type=int, default=3)

@@ -20,6 +20,7 @@ from sparda_jax.metrics import block_recall
 from sparda_jax.modes import forward
 from sparda_jax.text import haystack_tokens
 
+from .augment import MixedSampler, RetrievalMix
 from .checkpoint import Checkpointer
 from .data import WindowSampler, load_documents, tokenize_documents
 from .objective import TrainConfig, init_state, train_step
@@ -79,13 +80,16 @@ def plot_metrics(jsonl: Path, png: Path) -> None:
 
 def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
           save_every: int = 100, keep: int = 3, eval_every: int = 50, eval_len: int | None = None,
-          progress: bool = True, log=print) -> dict:
+          mix: RetrievalMix = RetrievalMix(), progress: bool = True, log=print) -> dict:
     """Train the Forecast of `model`; resumes from out_dir/checkpoints if present. Writes
     metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir.
     eval_every: the held-out recall every this many steps and at the first and last step; 0:
-    never."""
+    never. mix: the share of training windows given long-range copies (`train.augment`)."""
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an int >= 0 (0: never), got {eval_every!r}")
+    if not isinstance(mix, RetrievalMix):
+        raise TypeError(f"mix must be a RetrievalMix, got {type(mix).__name__}")
+    mix.check_fits(tc.seq_len)
     c = model.config
     span = c.sparse.forced_blocks * c.sparse.block_size
     if tc.seq_len <= span:
@@ -99,6 +103,8 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     docs = load_documents(data_paths, "train")
     stream = tokenize_documents(docs, tok.encode, list(c.eos_token_ids[:1]))
     sampler = WindowSampler(stream, tc.seq_len, tc.seed)
+    if mix.active:
+        sampler = MixedSampler(sampler, mix)
     held_out = jnp.asarray([haystack_tokens(tok.encode, eval_len or min(tc.seq_len, 8192), seed=tc.seed + 7,
                                             docs=load_documents(None, "eval"))], jnp.int32)
     mesh = make_mesh(data_devices)
@@ -115,7 +121,7 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
         state = restored
         log(f"resumed from step {int(state.step)}")
     (out / "config.json").write_text(json.dumps({"model": c.name, "train": asdict(tc),
-                                                 "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
+                                                 "forecast": asdict(c.forecast), "sparse": asdict(c.sparse), "mix": asdict(mix),
                                                  "corpus_tokens": int(stream.size), "data_devices": n_data},
                                                 indent=2))
     metrics_path = out / "metrics.jsonl"

@@ -264,6 +264,7 @@ def _cmd_train(args) -> int:
                      lr=args.lr, dtype=args.train_dtype, seed=args.seed)
     summary = train(model, tc, args.out, data_paths=args.data, data_devices=args.data_devices,
                     save_every=args.save_every, keep=args.keep, eval_every=args.eval_every, mix=mix,
+                    override=args.override,
                     log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(summary, indent=2))
     return 0
@@ -400,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of training windows given a long-range repeated span (train.augment)")
     t.add_argument("--scatter-share", type=float, default=0.0,
                    help="share of training windows given a shuffled copy of scattered short spans")
+    t.add_argument("--override", action="store_true",
+                   help="resume although settings differ from the run's config.json (the change is recorded there)")
     t.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
     t.add_argument("--save-every", type=int, default=100)
     t.add_argument("--keep", type=int, default=3)

@@ -151,6 +151,23 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_params):
     assert ckpts == [4, 6]  # keep=2
 
 
+def test_resume_with_other_settings_is_refused_unless_overridden(tmp_path, tiny_params):
+    model = Pretrained(TINY, tiny_params, ByteTokenizer())
+    tc = TrainConfig(seq_len=64, batch=1, micro_batch=1, steps=1, lr=3e-3, dtype="float32")
+    kw = dict(save_every=1, keep=2, eval_every=0, progress=False, log=lambda s: None)
+    train(model, tc, tmp_path, **kw)
+    other = TrainConfig(**{**tc.__dict__, "steps": 2, "lr": 1e-3})
+    with pytest.raises(ValueError, match=r"step 1 .*train\.lr: 0\.003 -> 0\.001.*--override"):
+        train(model, other, tmp_path, **kw)
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] == 3e-3  # the record is untouched
+    train(model, other, tmp_path, override=True, **kw)
+    rec = json.loads((tmp_path / "config.json").read_text())
+    assert rec["train"]["lr"] == 1e-3 and rec["overrides"] == [{"step": 1, "changed": {"train.lr": [3e-3, 1e-3]}}]
+    # lengthening the run is not a change of settings; the record keeps the earlier override
+    train(model, TrainConfig(**{**other.__dict__, "steps": 3}), tmp_path, **kw)
+    assert json.loads((tmp_path / "config.json").read_text())["overrides"] == rec["overrides"]
+
+
 def test_forecast_file_roundtrip_and_errors(tmp_path):
     f = init_forecast(TINY, jax.random.key(9))
     path = save_forecast(tmp_path / "f.safetensors", f, TINY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import asdict
@@ -78,13 +79,51 @@ def plot_metrics(jsonl: Path, png: Path) -> None:
     plt.close(fig)
 
 
+# settings that may change on resume without changing what a step computes
+_FREE = {"train.steps"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        out.update(_flat(v, key + ".") if isinstance(v, dict) else {key: v})
+    return out
+
+
+def _run_record(path: Path, settings: dict, step: int, *, override: bool) -> dict:
+    """The run's config.json content: `settings`, plus the overrides of earlier resumes and,
+    where a resumed run (step > 0) changes a setting, one more entry {"step", "changed":
+    {setting: [old, new]}}. Raises ValueError for a change without override."""
+    if step == 0 or not path.exists():
+        return settings | {"overrides": []}
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: the run's record is unreadable ({e}); resume needs it") from None
+    before, now = _flat({k: old[k] for k in settings if k in old}), _flat(settings)
+    changed = {k: [before[k], v] for k, v in now.items() if k in before and before[k] != v and k not in _FREE}
+    overrides = list(old.get("overrides", []))
+    if changed:
+        if not override:
+            what = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items())
+            raise ValueError(f"{path.parent}: resuming at step {step} with settings that differ from the run's "
+                             f"record ({what}); pass --override to go on with the new ones (the change is "
+                             f"recorded), or train into another --out")
+        overrides.append({"step": step, "changed": changed})
+    return settings | {"overrides": overrides}
+
+
 def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
           save_every: int = 100, keep: int = 3, eval_every: int = 50, eval_len: int | None = None,
-          mix: RetrievalMix = RetrievalMix(), progress: bool = True, log=print) -> dict:
+          mix: RetrievalMix = RetrievalMix(), override: bool = False, progress: bool = True, log=print) -> dict:
     """Train the Forecast of `model`; resumes from out_dir/checkpoints if present. Writes
     metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir.
     eval_every: the held-out recall every this many steps and at the first and last step; 0:
-    never. mix: the share of training windows given long-range copies (`train.augment`)."""
+    never. mix: the share of training windows given long-range copies (`train.augment`).
+    A resumed run must have the settings its config.json records (the step count aside: a run
+    may be lengthened), else ValueError; override=True continues with the new settings and
+    records the change and its step in config.json's "overrides"."""
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an int >= 0 (0: never), got {eval_every!r}")
     if not isinstance(mix, RetrievalMix):
@@ -111,18 +150,21 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     n_data = mesh.devices.size
     if tc.micro_batch % n_data:
         raise ValueError(f"micro_batch ({tc.micro_batch}) must be a multiple of the data devices ({n_data})")
+    ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
+    # the record is checked before any work on the device: a refused resume costs nothing
+    record = _run_record(out / "config.json", {
+        "model": c.name, "train": asdict(tc), "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
+        "mix": asdict(mix), "data": {"tokens": int(stream.size), "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}},
+        ckpt.latest_step() or 0, override=override)
     replicated = NamedSharding(mesh, P())
     dtype = jnp.dtype(tc.dtype)
     backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
     state = jax.device_put(init_state(init_forecast(c, jax.random.key(tc.seed)), tc), replicated)
-    ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
     restored = ckpt.restore(state)
     if restored is not None:
         state = restored
         log(f"resumed from step {int(state.step)}")
-    (out / "config.json").write_text(json.dumps({"model": c.name, "train": asdict(tc),
-                                                 "forecast": asdict(c.forecast), "sparse": asdict(c.sparse), "mix": asdict(mix),
-                                                 "corpus_tokens": int(stream.size), "data_devices": n_data},
+    (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(stream.size), "data_devices": n_data},
                                                 indent=2))
     metrics_path = out / "metrics.jsonl"
     start = int(state.step)

@@ -149,6 +149,19 @@ def test_errors_are_clear(tmp_path):
     with pytest.raises(CheckpointError, match="rope_scaling type 'yarn'"):
         load_pretrained(tmp_path / "rope")
 
+    nan = dict(w)
+    nan["model.layers.1.self_attn.o_proj.weight"] = np.where(np.eye(D, H * DH) > 0, np.nan, w[
+        "model.layers.1.self_attn.o_proj.weight"]).astype(np.float32)
+    _write(tmp_path / "nan", _config(), nan, shards=2)
+    with pytest.raises(CheckpointError, match=r"model-0000\d-of-00002.safetensors: tensor "
+                                              r"'model.layers.1.self_attn.o_proj.weight' has 32 non-finite"):
+        load_pretrained(tmp_path / "nan")
+
+    _write(tmp_path / "json", _config(), w)
+    (tmp_path / "json" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"],')
+    with pytest.raises(CheckpointError, match=r"json/config.json: not valid JSON"):
+        load_pretrained(tmp_path / "json")
+
     (tmp_path / "x.bin").write_bytes(b"\0" * 16)
     with pytest.raises(ValueError, match="expected a .gguf file"):
         load_pretrained(tmp_path / "x.bin")

@@ -49,19 +49,26 @@ def hf_tensor_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def params_from_hf(get: Getter, c: ModelConfig, dtype=np.float32, progress: bool = False) -> dict:
-    """Build the parameter tree (numpy arrays of `dtype`) from HF-named tensors."""
+def params_from_hf(get: Getter, c: ModelConfig, dtype=np.float32, progress: bool = False,
+                   source: Callable[[str], str] = lambda name: "checkpoint") -> dict:
+    """Build the parameter tree (numpy arrays of `dtype`) from HF-named tensors. Raises
+    CheckpointError for a missing tensor, a wrong shape or a non-finite value (NaN or inf),
+    naming the tensor and `source(name)`, the file that holds it."""
     shapes = hf_tensor_shapes(c)
 
     def take(name: str) -> np.ndarray:
         try:
             a = get(name)
         except KeyError:
-            raise CheckpointError(f"checkpoint has no tensor {name!r} (config {c.name!r} needs it)") from None
+            raise CheckpointError(f"{source(name)} has no tensor {name!r} (config {c.name!r} needs it)") from None
         if tuple(a.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name!r} has shape {tuple(a.shape)}, config {c.name!r} "
+            raise CheckpointError(f"{source(name)}: tensor {name!r} has shape {tuple(a.shape)}, config {c.name!r} "
                                   f"expects {shapes[name]}")
-        return np.asarray(a, dtype=dtype)
+        a = np.asarray(a, dtype=dtype)
+        bad = a.size - int(np.count_nonzero(np.isfinite(a)))
+        if bad:
+            raise CheckpointError(f"{source(name)}: tensor {name!r} has {bad} non-finite values (NaN or inf)")
+        return a
 
     d, h, k, dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
 

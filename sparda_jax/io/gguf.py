@@ -117,7 +117,7 @@ def load_gguf(path: str | Path, dtype=np.float32, progress: bool = False) -> tup
             w = unpermute_llamacpp(w, config.num_kv_heads)
         return w
 
-    params = params_from_hf(get, config, dtype=dtype, progress=progress)
+    params = params_from_hf(get, config, dtype=dtype, progress=progress, source=lambda name: str(path))
     tok = tokenizer_from_gguf_vocab(
         list(_field(reader, "tokenizer.ggml.tokens")),
         list(_field(reader, "tokenizer.ggml.merges")),

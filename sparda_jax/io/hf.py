@@ -129,7 +129,10 @@ class SafetensorsIndex:
         index = directory / "model.safetensors.index.json"
         single = directory / "model.safetensors"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
             self.files = {name: directory / f for name, f in weight_map.items()}
         elif single.is_file():
             with safe_open(str(single), framework="flax") as f:
@@ -158,11 +161,15 @@ def load_hf(directory: str | Path, dtype=np.float32, progress: bool = False) -> 
     cfg_path = directory / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{directory}: no config.json")
-    raw = json.loads(cfg_path.read_text())
+    try:
+        raw = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_path}: not valid JSON ({e})") from None
     index = SafetensorsIndex(directory)
     config = config_from_hf(raw, cfg_path, name=directory.name,
                             has_cis="model.layers.0.self_attn.A" in index.files)
-    params = params_from_hf(index, config, dtype=dtype, progress=progress)
+    params = params_from_hf(index, config, dtype=dtype, progress=progress,
+                            source=lambda name: str(index.files.get(name, directory)))
     tok = None
     if (directory / "tokenizer.json").is_file():
         tok_cfg = {}

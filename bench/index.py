@@ -236,7 +236,7 @@ def _claims_section() -> list[str]:
         d = _load(rel)
         for c in (d.get("claims") or []) if isinstance(d, dict) else []:
             lines.append(f"| `{rel}` | {c['claim']} | {_f(c.get('value'))} | {c.get('target', '-')} | "
-                         f"{'yes' if c.get('met') else 'no'} |")
+                         f"{'-' if c.get('met') is None else 'yes' if c['met'] else 'no'} |")
     return lines
 
 

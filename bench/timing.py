@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["time_fn", "measure", "ceilings", "Budget", "query_slice", "rel_check", "unavailable", "write_json",
-           "claim_lines", "pyplot_and_result", "save_png"]
+           "judge_claims", "claim_lines", "pyplot_and_result", "save_png"]
 
 
 def unavailable(e: BaseException) -> str:
@@ -158,7 +158,21 @@ def _clean(x):
     return x
 
 
+TARGET_BACKEND = "gpu"  # the claims' targets are set for an H200: timings elsewhere get no verdict
+
+
+def judge_claims(result: dict) -> dict:
+    """The result with each claim's "met" set to None where the run was not on the target
+    backend (its "verdict" says why): a CPU timing neither meets nor misses an H200 target."""
+    backend = result.get("environment", {}).get("backend")
+    if backend in (None, TARGET_BACKEND):
+        return result
+    why = f"none: the targets are set for an H200 GPU, this ran on {backend}"
+    return result | {"claims": [cl | {"met": None, "verdict": why} for cl in result.get("claims", [])]}
+
+
 def write_json(result: dict, out: str | Path) -> Path:
+    result = judge_claims(result)
     p = Path(out)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps(_clean(result), indent=2))
@@ -166,10 +180,14 @@ def write_json(result: dict, out: str | Path) -> Path:
 
 
 def claim_lines(result: dict) -> list[str]:
-    """One line per claimed ratio of a result (value, target, met or MISSED), then one per
+    """One line per claimed ratio of a result (value, target, met, MISSED or no verdict off the
+    GPU), then one per
     configuration the run skipped, with its reason."""
-    lines = [f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {'met' if cl['met'] else 'MISSED'})"
-             for cl in result["claims"]]
+    def verdict(cl):
+        return "no verdict off the GPU" if cl["met"] is None else "met" if cl["met"] else "MISSED"
+
+    lines = [f"{cl['claim']}: {cl['value']:.2f} (target {cl['target']}, {verdict(cl)})"
+             for cl in judge_claims(result)["claims"]]
     return lines + [f"skipped {s['phase']} T={s['T']} B={s['batch']}: {s['reason'][:80]}"
                     for s in result.get("skipped", [])]
 

@@ -592,3 +592,16 @@ def test_select_bench_xla_variants_stay_xla_where_the_default_picks_kernels(monk
         got = fn(x[fam], kc, pos)
         want = ref(x[fam], kc, pos, sp, n_blocks=nb, implementation="xla")
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_claims_get_a_verdict_only_on_the_target_backend(tmp_path):
+    from sparda_jax.bench.timing import claim_lines, write_json
+
+    claims = [{"claim": "decode B=8: Sparse / SparDA", "value": 2.0, "target": 1.7, "met": True}]
+    on_cpu = {"environment": {"backend": "cpu"}, "claims": claims}
+    assert claim_lines(on_cpu) == ["decode B=8: Sparse / SparDA: 2.00 (target 1.7, no verdict off the GPU)"]
+    saved = json.loads(write_json(on_cpu, tmp_path / "r.json").read_text())
+    assert saved["claims"][0]["met"] is None and "ran on cpu" in saved["claims"][0]["verdict"]
+    on_gpu = {"environment": {"backend": "gpu"}, "claims": claims}
+    assert claim_lines(on_gpu) == ["decode B=8: Sparse / SparDA: 2.00 (target 1.7, met)"]
+    assert json.loads(write_json(on_gpu, tmp_path / "g.json").read_text())["claims"][0]["met"] is True

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -77,6 +78,28 @@ def _check_output(path, *, directory: bool = False) -> None:
         raise ValueError(f"output {p} cannot be created: {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"output {p} cannot be created: {parent} is not writable")
+
+
+def _write_result(path, text: str) -> Path:
+    """Write a finished run's result to `path`; if that fails (checked writable at the start,
+    but a disk can fill or a folder vanish), to a file of the same name and a time stamp in the
+    working directory, else in the temporary directory, with a warning: never lost."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        return p
+    except OSError as e:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for folder in (Path.cwd(), Path(tempfile.gettempdir())):
+            alt = folder / f"{p.stem}-{stamp}{p.suffix}"
+            try:
+                alt.write_text(text)
+            except OSError:
+                continue
+            print(f"sparda: warning: could not write {p} ({e.strerror or e}); wrote {alt} instead", file=sys.stderr)
+            return alt
+        raise
 
 
 def _with_topk(model, topk: int | None):
@@ -163,10 +186,9 @@ def _cmd_demo(args) -> int:
     model = _load(args)
     results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
                             systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2))
     print(results_table(results))
+    if args.json:
+        _write_result(args.json, json.dumps(results, indent=2))
     return 0
 
 

@@ -120,3 +120,16 @@ def test_train_eval_every_0_means_never(tmp_path, loads, capsys):
     assert [r["step"] for r in rows] == [1, 2]
     assert not any("recall" in r for r in rows)
     assert (out / "forecast.safetensors").is_file()
+
+
+def test_a_failed_final_write_lands_in_a_fallback(tmp_path, monkeypatch, capsys):
+    from sparda_jax.cli import _write_result
+
+    monkeypatch.chdir(tmp_path)
+    blocked = tmp_path / "file"
+    blocked.write_text("x")  # a file where the result's folder should be: the write fails
+    got = _write_result(blocked / "out.json", '{"rows": [1]}')
+    assert got.parent == tmp_path and got.name.startswith("out-") and got.suffix == ".json"
+    assert got.read_text() == '{"rows": [1]}'
+    assert "could not write" in capsys.readouterr().err
+    assert _write_result(tmp_path / "ok" / "r.json", "{}") == tmp_path / "ok" / "r.json"

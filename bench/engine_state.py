@@ -17,7 +17,6 @@ full system fits.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +26,8 @@ from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig, get_preset
 from sparda_jax.forecast import init_forecast
 from sparda_jax.infinigen import InfiniGenParams
-from sparda_jax.infer.engine import RESIDENT_MODES, OffloadLayer, OffloadState, host_pool, memory_report, selector_of
+from sparda_jax.infer.engine import RESIDENT_MODES, OffloadLayer, OffloadState, host_pool, selector_of
+from sparda_jax.infer.memory import DEVICE_MARGIN, HOST_MARGIN, device_memory_limit, feasibility, host_memory_bytes
 from sparda_jax.model import KVCache, init_params
 from sparda_jax.modes import DecodeState
 
@@ -36,11 +36,6 @@ __all__ = ["bench_config", "make_params", "correlated_embedding", "make_extras",
            "DEVICE_MARGIN"]
 
 BF16 = jnp.bfloat16
-# Not all physical memory can be pinned (the OS, the process, XLA's host buffers): a state that
-# needs more than this fraction of it is reported as not fitting.
-HOST_MARGIN = 0.85
-# Activations and work buffers beside the state and weights (fraction of the allocator limit).
-DEVICE_MARGIN = 0.9
 
 
 def bench_config(preset: str, layers: int | None) -> tuple[ModelConfig, ModelConfig]:
@@ -186,36 +181,3 @@ def weights_bytes(config: ModelConfig, dtype=BF16) -> int:
     return int(sum(np.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(shapes)))
 
 
-def host_memory_bytes() -> int:
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
-def device_memory_limit() -> int | None:
-    """The device allocator's limit (what this process may use), None where unknown (CPU, and
-    XLA_PYTHON_CLIENT_ALLOCATOR=cuda_async, whose stats report a limit of 0)."""
-    try:
-        stats = jax.devices()[0].memory_stats() or {}
-    except Exception:  # noqa: BLE001 - some backends do not implement it
-        return None
-    return stats.get("bytes_limit") or None
-
-
-def feasibility(full: ModelConfig, mode: str, *, batch: int, context: int, weights: int,
-                host_bytes: int | None = None, device_bytes: int | None = None) -> dict:
-    """Does the FULL model's state for (mode, batch, context) fit this machine?"""
-    rep = memory_report(full, batch=batch, context=context, mode=mode)
-    host_bytes = host_memory_bytes() if host_bytes is None else host_bytes
-    device_bytes = device_memory_limit() if device_bytes is None else device_bytes
-    dev_need = rep["device total"] + weights
-    host_ok = rep["host total"] <= HOST_MARGIN * host_bytes
-    dev_ok = device_bytes is None or dev_need <= DEVICE_MARGIN * device_bytes
-    why = []
-    if not host_ok:
-        why.append(f"host needs {rep['host total'] / 1e9:.1f} GB > {HOST_MARGIN} x {host_bytes / 1e9:.1f} GB")
-    if not dev_ok:
-        why.append(f"device needs {dev_need / 1e9:.1f} GB (state + weights) > {DEVICE_MARGIN} x "
-                   f"{device_bytes / 1e9:.1f} GB allocator limit")
-    return {"fits": bool(host_ok and dev_ok), "reason": "; ".join(why) or None,
-            "host_need_bytes": rep["host total"], "device_need_bytes": dev_need, "weights_bytes": weights,
-            "host_bytes": host_bytes, "device_limit_bytes": device_bytes, "memory_report": rep,
-            "layers": full.num_layers}

@@ -80,7 +80,8 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     tokens and counters, without a host round trip between steps. The block budget
     `sparse.topk` is clamped to the blocks the cache holds (`_budget_within_cache`: the same
     selection, bounded memory). Raises ValueError for a token id outside [0, vocab) or a prompt
-    plus max_new_tokens past the model's context."""
+    plus max_new_tokens past the model's context, and `infer.memory.InsufficientMemory` (a
+    ValueError) for a state larger than the device's or the host's memory."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     if steps_per_call < 1 or (steps_per_call > 1 and engine is None):
@@ -96,6 +97,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     for p in prompts:
         check_token_ids(np.asarray(p), config.vocab_size)
     config = _budget_within_cache(config, cache_size)
+    _admit_memory(params, config, len(prompts), cache_size, engine, dtype)
     tokens = np.zeros((len(prompts), t_pad), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, : len(p)] = p
@@ -161,6 +163,17 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
         for k, v in c.items():
             stats[k] += int(v)
     return (out, stats) if return_stats else out
+
+
+def _admit_memory(params, config: ModelConfig, batch: int, cache_size: int, engine, dtype) -> None:
+    """Refuse (InsufficientMemory, with the bytes) a state that would not fit the device or the
+    host, before anything is allocated. Without an engine every layer's K/V is on the device."""
+    from .memory import check_fits
+
+    weights = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+    mode = "dense_resident" if engine is None else engine.mode
+    n_slots = None if engine is None else engine.n_slots
+    check_fits(config, mode, batch=batch, context=cache_size, weights=weights, n_slots=n_slots, dtype=dtype)
 
 
 def _budget_within_cache(config: ModelConfig, cache_size: int) -> ModelConfig:

@@ -133,3 +133,28 @@ def test_a_failed_final_write_lands_in_a_fallback(tmp_path, monkeypatch, capsys)
     assert got.read_text() == '{"rows": [1]}'
     assert "could not write" in capsys.readouterr().err
     assert _write_result(tmp_path / "ok" / "r.json", "{}") == tmp_path / "ok" / "r.json"
+
+
+def test_generate_refuses_a_state_larger_than_memory(monkeypatch, tiny_params, loads, capsys):
+    from sparda_jax.infer import memory
+    from sparda_jax.infer.engine import EngineConfig, memory_report
+    from sparda_jax.forecast import init_forecast
+    from sparda_jax.infer.generate import SamplingConfig, generate
+
+    need = memory_report(TINY, batch=2, context=4096, mode="sparda", dtype="float32")
+    weights = sum(a.nbytes for a in jax.tree.leaves(tiny_params))
+    # a host just too small for the offloaded K/V (the CPU's "device" shares it), then large enough
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: int((need["host total"] + need["device total"] + weights)
+                                                              / memory.HOST_MARGIN) - 1)
+    monkeypatch.setattr(memory, "device_memory_limit", lambda: None)
+    args = (tiny_params, TINY, [[5, 6, 7], [8, 9]], SamplingConfig(max_new_tokens=4096 - 64))
+    with pytest.raises(memory.InsufficientMemory, match=r"batch 2 x 4096 tokens in mode 'sparda'.*host needs"):
+        generate(*args, engine=EngineConfig(mode="sparda"))
+    f = init_forecast(TINY, jax.random.key(1))
+    out = generate(*args[:3], SamplingConfig(max_new_tokens=2), engine=EngineConfig(mode="sparda"), forecast=f)
+    assert [len(o) for o in out] == [2, 2]
+    # the CLI's answer: one line, exit 2
+    monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**6)
+    assert main(["--no-compile-cache", "generate", "--prompt", "x", "--raw", "--max-new-tokens", "4000",
+                 "--system", "sparda"]) == 2
+    assert "does not fit this machine" in capsys.readouterr().err

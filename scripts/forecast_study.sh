@@ -1,0 +1,119 @@
+# The Forecast study on one GPU: short ablation runs side by side, the long run, and the
+# evaluation of every Forecast on held-out text of other domains. Runs go on in the background
+# (setsid) between device calls while the machine stays warm; each phase returns at once.
+#
+#   source scripts/device_setup.sh            # joins the GGUF, unpacks the corpus into /root/data
+#   bash scripts/forecast_study.sh ablate     # start the ablation runs (STEPS each, in parallel)
+#   bash scripts/forecast_study.sh main       # start (or resume) the long run to MAIN_STEPS
+#   bash scripts/forecast_study.sh status     # each run's step, loss, recall; GPU memory
+#   bash scripts/forecast_study.sh wait NAME..# block until those runs have exported a Forecast
+#   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts (+ baselines)
+#   bash scripts/forecast_study.sh collect    # run records, eval results, the main Forecast into $OUT/forecast_study
+#                                             # (WITH_CHECKPOINT=1: its newest checkpoint too, in 15 MiB parts)
+#
+# Runs (all SmolLM2-135M, 8 x 4096 tokens per step, lr 5e-4, supervision k 64 unless named):
+#   pydocs      the Python docs (the CI default corpus), coarse (32, 16) teacher
+#   corpus      the Debian documentation corpus, coarse teacher
+#   mix         corpus + retrieval-rich windows (25% repeated spans, 25% scattered pieces)
+#   mix_fine    mix with the fine (2, 1) teacher
+#   mix_k256    mix with supervision k 256
+#   main        mix, trained on from its last checkpoint to MAIN_STEPS
+set -u
+DATA=${DATA:-/root/data}
+RUNS=${RUNS:-/root/study}
+STEPS=${STEPS:-250}
+MAIN_STEPS=${MAIN_STEPS:-1200}
+FRACTION=${FRACTION:-0.14}  # GPU memory per process: seven fit beside each other
+mkdir -p "$RUNS"
+COMMON="--seq-len 4096 --batch 8 --micro-batch 8 --save-every 50 --eval-every 50"
+
+flags() {
+  case "$1" in
+    pydocs)   echo "--teacher 32 16" ;;
+    corpus)   echo "--data $DATA --teacher 32 16" ;;
+    mix)      echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25" ;;
+    mix_fine) echo "--data $DATA --teacher 2 1 --repeat-share 0.25 --scatter-share 0.25" ;;
+    mix_k256) echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --supervision-k 256" ;;
+    main)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25" ;;
+    *) echo "unknown run $1" >&2; return 1 ;;
+  esac
+}
+
+start() {  # start NAME STEPS: a background training process that outlives this call
+  local name=$1 steps=$2 f
+  f=$(flags "$name") || return 1
+  mkdir -p "$RUNS/$name"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=$FRACTION setsid nohup sparda train --out "$RUNS/$name" --steps "$steps" \
+    $COMMON $f >>"$RUNS/$name/log" 2>&1 < /dev/null &
+  echo "started $name ($steps steps): sparda train --out $RUNS/$name --steps $steps $COMMON $f"
+}
+
+status() {
+  for d in "$RUNS"/*/; do
+    local n; n=$(basename "$d")
+    local last; last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | python3 -c \
+      'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print(r.get("step"), round(r.get("loss", 0), 3), round(r.get("tokens_per_s", 0)))' 2>/dev/null)
+    local rec; rec=$(grep -o '"recall": [0-9.]*' "$d/metrics.jsonl" 2>/dev/null | tail -n 1)
+    echo "$n: step/loss/tok_s $last $rec $( [ -f "$d/forecast.safetensors" ] && echo exported ) $(pgrep -f "out $RUNS/$n " >/dev/null && echo running)"
+    tail -n 2 "$d/log" 2>/dev/null | tr '\r' '\n' | tail -n 1 | cut -c1-160
+  done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || true
+}
+
+evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (baselines once), side by side
+  local out=$RUNS/eval; mkdir -p "$out"
+  local splits="eval-info eval-man eval-licenses heldout"
+  local sel="--suite selection --text $DATA --splits $splits --lengths 4096 8192 --seqs 4"
+  local cpy="--suite copy --text $DATA --splits $splits --lengths 4096 8192 --samples 8"
+  export XLA_PYTHON_CLIENT_MEM_FRACTION=$FRACTION
+  if [ ! -f "$out/baselines_selection.json" ]; then
+    sparda eval $sel --modes dense sparse infinigen sparda --forecast random --out "$out/baselines_selection.json" \
+      >"$out/baselines_selection.log" 2>&1 &
+    sparda eval $cpy --modes dense sparse infinigen sparda --forecast random --out "$out/baselines_copy.json" \
+      >"$out/baselines_copy.log" 2>&1 &
+  fi
+  for name in "$@"; do
+    local f=$RUNS/$name/forecast.safetensors
+    [ -f "$f" ] || { echo "no Forecast for $name yet"; continue; }
+    cp "$f" "$out/$name.safetensors"  # the Forecast evaluated, even if its run goes on
+    sparda eval $sel --modes sparda --forecast "$out/$name.safetensors" --out "$out/${name}_selection.json" \
+      >"$out/${name}_selection.log" 2>&1 &
+    sparda eval $cpy --modes sparda --forecast "$out/$name.safetensors" --out "$out/${name}_copy.json" \
+      >"$out/${name}_copy.log" 2>&1 &
+  done
+  wait
+  ls "$out"/*.json
+}
+
+collect() {  # at most 8 files of at most 16 MiB come back from a call: records in one archive
+  local dst=${OUT:-/tmp/out}/forecast_study tmp=/tmp/collect; mkdir -p "$dst"; rm -rf "$tmp"; mkdir -p "$tmp"
+  for d in "$RUNS"/*/; do
+    local n; n=$(basename "$d"); mkdir -p "$tmp/$n"
+    cp "$d"/*.json "$d"/*.jsonl "$d"/*.png "$d"/*.md "$tmp/$n/" 2>/dev/null
+    tail -c 20000 "$d/log" > "$tmp/$n/log.tail" 2>/dev/null
+    for l in "$d"/*.log; do [ -f "$l" ] && tail -c 6000 "$l" > "$tmp/$n/$(basename "$l").tail"; done
+  done
+  tar czf "$dst/records.tgz" -C "$tmp" .
+  [ -f "$RUNS/main/forecast.safetensors" ] && cp "$RUNS/main/forecast.safetensors" "$dst/main_forecast.safetensors"
+  # the long run's newest checkpoint, in parts, where the run may outlast the machine
+  if [ -d "$RUNS/main/checkpoints" ] && [ "${WITH_CHECKPOINT:-0}" = 1 ]; then
+    (cd "$RUNS/main" && tar czf - "checkpoints/$(ls checkpoints | grep -E '^[0-9]+$' | sort -n | tail -n 1)") \
+      | split -b 15M -d -a 1 - "$dst/main_checkpoint.tgz.part"
+  fi
+  ls -la "$dst"
+}
+
+phase=${1:-status}; shift || true
+case "$phase" in
+  ablate) for n in pydocs corpus mix mix_fine mix_k256; do start "$n" "$STEPS"; done ;;
+  main)  # the long run goes on from the mix run's last checkpoint (the same recipe)
+    if [ ! -d "$RUNS/main" ] && [ -d "$RUNS/mix/checkpoints" ]; then
+      mkdir -p "$RUNS/main" && cp -r "$RUNS/mix/checkpoints" "$RUNS/mix/config.json" "$RUNS/mix/metrics.jsonl" "$RUNS/main/"
+    fi
+    start main "$MAIN_STEPS" ;;
+  status) status ;;
+  wait) for n in "$@"; do while [ ! -f "$RUNS/$n/forecast.safetensors" ]; do sleep 5; done; echo "$n exported"; done ;;
+  eval) evaluate "$@" ;;
+  collect) collect ;;
+  *) sed -n '1,20p' "$0"; exit 2 ;;
+esac

@@ -194,6 +194,7 @@ def eval_copy(model: Pretrained, *, lengths=(4096, 8192), samples: int = 8, mode
                    "mode": mode + ("" if mode != "sparda" else (" (trained)" if trained else " (untrained)")),
                    "samples": samples, "seed": seed, "passage_tokens": passage_tokens,
                    "source_start": s0.source, "repeat_start": s0.repeat,
+                   "context_blocks": -(-length // sp.block_size),
                    "copy_nll": float(nll_a.mean()), "copy_nll_ci95": _t_ci(nll_a),
                    "copy_nll_per_sample": [float(x) for x in nll_a],
                    "copy_acc": float(acc_a.mean()), "copy_acc_ci95": _t_ci(acc_a)}
@@ -239,6 +240,8 @@ def copy_markdown(result: dict) -> str:
         out.append("| mode | " + " | ".join(f"NLL {n} | source {n} | copy {n} | oracle source {n}" for n in lengths)
                    + " |")
         out.append("|---|" + "---|---|---|---|" * len(lengths))
+        covered = [n for n in lengths if any(r.get("context_blocks", math.inf) <= result.get("budget", {}).get(
+            "topk", -1) for r in here if r["length"] == n)]
         for m in modes:
             cells = []
             for n in lengths:
@@ -249,6 +252,9 @@ def copy_markdown(result: dict) -> str:
                 cells.append(" | ".join([_fmt(r["copy_nll"], r.get("copy_nll_ci95")), _fmt(r.get("source_share")),
                                          _fmt(r.get("copy_share")), _fmt(r.get("oracle_source_share"))]))
             out.append(f"| {m} | " + " | ".join(cells) + " |")
+        if covered:
+            out.append(f"\nAt {', '.join(map(str, covered))} tokens the budget of {result['budget']['topk']} blocks "
+                       f"covers the whole context: every selection holds every block.")
         for n in lengths:
             layered = [r for r in here if r["length"] == n and "source_share_per_layer" in r]
             if not layered:

@@ -17,12 +17,13 @@ import shlex
 import sys
 from pathlib import Path
 
+from .heldout import DEFAULT_SPLIT
+
 __all__ = ["merge", "main"]
 
 
 def _key(r: dict) -> tuple:
-    # not the seed: rows written before it was recorded have none, and one cell is one cell;
-    # rows written before splits were recorded have no split (the Python docs)
+    # not the seed: rows written before it was recorded have none, and one cell is one cell
     return (r.get("suite"), r.get("task"), r.get("split"), r["length"], r["mode"])
 
 
@@ -35,6 +36,8 @@ def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
         d = json.loads(Path(path).read_text())
         for r in d["rows"]:
             r = dict(r, mode=label or r["mode"])
+            if "task" not in r:  # selection rows written before splits were recorded: the Python docs
+                r.setdefault("split", DEFAULT_SPLIT)
             rows.pop(_key(r), None)  # re-inserted last: the order is the last run's
             rows[_key(r)] = r
         sources.append({"file": path, "command": d.get("command"), "commit": d["environment"].get("commit"),

@@ -316,7 +316,7 @@ def test_corpus_texts_refuses_foreign_corpora(tmp_path, corpus_module):
 # ------------------------------------------------------------------------------------ goals
 
 def _sel_row(split, length, mode, recall, ppl_late):
-    return {"split": split, "length": length, "mode": mode, "recall": recall, "ppl_late": ppl_late,
+    return {"split": split, "length": length, "mode": mode, "recall": recall, "ppl_late": ppl_late, "ppl": ppl_late,
             "tokens_late": 100, "recall_hits": round(recall * 1000), "recall_total": 1000}
 
 
@@ -347,3 +347,25 @@ def test_goal_checks_thresholds_and_pooling():
     assert "- FAIL recall >= 0.88: sparda (trained) 0.879; a, 8192 tokens" in text
     assert "- PASS copy NLL <= 1.15 x sparse: sparda (trained) 1.150 vs sparse 1.000 (ratio 1.150); a, 4096" in text
     assert "none checkable" in goals_text(goal_checks({"rows": [_sel_row("a", 1024, "sparse", 1, 9)]}))
+
+
+def test_report_merges_old_and_split_selection_files_and_checks_the_goals(tmp_path):
+    env = {"environment": {"commit": "abc", "device": "cpu"}, "command": "sparda eval"}
+    old = dict(_sel_row("python-docs", 4096, "sparse", 1.0, 10.0))
+    del old["split"]  # a file written before splits were recorded
+    new = _sel_row("python-docs", 4096, "sparda (trained)", 0.95, 10.2)
+    copy = [{"suite": "copy", "split": "python-docs", "length": 4096, "mode": m, "copy_nll": v,
+             "copy_nll_per_sample": [v], "copy_nll_ci95": None} for m, v in (("sparse", 1.26), ("sparda (trained)", 2.5))]
+    files = []
+    for name, rows in (("old", [old]), ("new", [new]), ("copy", copy)):
+        files.append(tmp_path / f"{name}.json")
+        files[-1].write_text(json.dumps({"rows": rows, **env}))
+    out = tmp_path / "all.md"
+    assert report.main([str(out), *map(str, files)]) == 0
+    text = out.read_text()
+    # one selection table: the old file's rows are the Python docs' split (the copy table's heading names it)
+    assert "**None**" not in text and text.count("**python-docs**") == 1
+    assert text.count("| sparse | 10.000 | 10.000 | 1.000 | 1 |") == 1
+    assert "- PASS recall >= 0.92: sparda (trained) 0.950; python-docs, 4096 tokens" in text
+    assert "- FAIL late-half ppl <= 1.01 x sparse: sparda (trained) 10.200 vs sparse 10.000 (ratio 1.020)" in text
+    assert "- FAIL copy NLL <= 1.15 x sparse: sparda (trained) 2.500 vs sparse 1.260 (ratio 1.984)" in text

@@ -266,15 +266,17 @@ def _cmd_eval(args) -> int:
         table = budget_markdown(result)
         intro = f"Budget sweep at {result['length']} tokens.\n"
     save(result, True)
-    if out is not None:
-        out.with_suffix(".md").write_text(
-            f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n"
-            f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
-    print(table)
-    if goals is not None:
+    if goals is not None:  # issue 30's goals, where the rows allow them
         from .eval.goals import goal_checks, goals_text
 
-        print(goals_text(goal_checks(**goals)))
+        goals = goals_text(goal_checks(**goals))
+    if out is not None:
+        out.with_suffix(".md").write_text(
+            f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n" + (f"{goals}\n" if goals else "") +
+            f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
+    print(table)
+    if goals:
+        print(goals)
     return 0
 
 
@@ -398,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_demo)
 
     e = sub.add_parser("eval", help="accuracy of each mode: synthetic long-context tasks (default), "
-                                    "perplexity and selection quality, or a budget sweep")
+                                    "perplexity and selection quality, long-range copy, or a budget sweep")
     model_args(e)
     e.add_argument("--suite", choices=["tasks", "selection", "copy", "budget"], default="tasks",
                    help="copy: the long-range copy task with the share of selections holding the source block")

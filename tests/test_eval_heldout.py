@@ -145,7 +145,7 @@ def test_copy_sequence_layout():
     t, p = s.tokens, s.passage_tokens
     assert t.dtype == np.int32 and t.shape == (4096,) and p == 256
     assert s.source == 2 * 64 and s.repeat == 4096 - 256  # after init_blocks + 1 blocks; the repeat ends it
-    assert s.source // 64 > SMOL["init_blocks"] - 1  # the source is in content blocks, not the init block
+    assert s.source // 64 > SMOL["init_blocks"]  # a filler block follows the init block: the source is content
     assert np.array_equal(t[s.source:s.source + p], t[s.repeat:])
     passage = np.r_[s.source:s.source + p]
     filler = np.setdiff1d(np.arange(s.repeat), passage)
@@ -276,6 +276,7 @@ def test_cli_selection_and_copy_on_corpus_splits(tmp_path, loads, corpus_module,
     res = json.loads(cp.read_text())
     assert [r["split"] for r in res["rows"]] == ["eval-info", "eval-man", "eval-licenses"]  # default: eval-*
     assert "source 640" in cp.with_suffix(".md").read_text()
+    assert "Goals: none checkable" in cp.with_suffix(".md").read_text()  # no sparda rows here
     merged = tmp_path / "all.md"
     assert report.main([str(merged), str(out), str(cp)]) == 0
     text = merged.read_text()

@@ -5,7 +5,9 @@
 LABEL replaces the mode names of a file's rows (for a file of one mode, e.g. an ablation).
 Rows of `--suite tasks` files are rendered by `eval.accuracy.tasks_markdown`, paired differences
 included: rows of different files (of one model) pair where they share (task, length, seed),
-which fixes the prompts.
+which fixes the prompts. Rows of `--suite selection` files form a table per held-out split,
+rows of `--suite copy` files go to `eval.copy.copy_markdown`; where sparda and sparse rows of
+those suites are present, the goals of `eval.goals` follow with pass / fail.
 """
 
 from __future__ import annotations
@@ -15,16 +17,18 @@ import shlex
 import sys
 from pathlib import Path
 
+from .heldout import DEFAULT_SPLIT
+
 __all__ = ["merge", "main"]
 
 
 def _key(r: dict) -> tuple:
     # not the seed: rows written before it was recorded have none, and one cell is one cell
-    return (r.get("task"), r["length"], r["mode"])
+    return (r.get("suite"), r.get("task"), r.get("split"), r["length"], r["mode"])
 
 
 def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
-    """A cell (task, length, mode) measured in several files (a run cut by its time limit, then
+    """A cell (suite, task, split, length, mode) measured in several files (a run cut by its time limit, then
     completed by a second one) is taken from the last file that has it."""
     rows, sources = {}, []
     for spec in specs:
@@ -32,6 +36,8 @@ def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
         d = json.loads(Path(path).read_text())
         for r in d["rows"]:
             r = dict(r, mode=label or r["mode"])
+            if "task" not in r:  # selection rows written before splits were recorded: the Python docs
+                r.setdefault("split", DEFAULT_SPLIT)
             rows.pop(_key(r), None)  # re-inserted last: the order is the last run's
             rows[_key(r)] = r
         sources.append({"file": path, "command": d.get("command"), "commit": d["environment"].get("commit"),
@@ -41,6 +47,14 @@ def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
 
 
 def table(rows: list[dict]) -> str:
+    """Selection rows: one table per held-out split (one table for rows without splits)."""
+    splits = list(dict.fromkeys(r.get("split") for r in rows))
+    if len(splits) == 1:
+        return _table(rows)
+    return "\n\n".join(f"**{s}**\n\n" + _table([r for r in rows if r.get("split") == s]) for s in splits)
+
+
+def _table(rows: list[dict]) -> str:
     lengths = sorted({r["length"] for r in rows})
     modes = list(dict.fromkeys(r["mode"] for r in rows))
     by = {(r["mode"], r["length"]): r for r in rows}
@@ -70,9 +84,20 @@ def main(argv: list[str] | None = None) -> int:
     out, specs = Path(argv[0]), argv[1:]
     rows, sources = merge(specs)
     text = []
-    sel = [r for r in rows if "task" not in r]
+    sel = [r for r in rows if "task" not in r and r.get("suite", "selection") == "selection"]
     if sel:
         text += [table(sel), ""]
+    copy = [r for r in rows if r.get("suite") == "copy"]
+    if copy:
+        from .copy import copy_markdown
+
+        text += [copy_markdown({"rows": copy}), ""]
+    if sel or copy:
+        from .goals import goal_checks, goals_text
+
+        checks = goal_checks({"rows": sel} if sel else None, {"rows": copy} if copy else None)
+        if checks:
+            text += [goals_text(checks), ""]
     tasks = [r for r in rows if "task" in r]
     if tasks:
         # imported here: it pulls in JAX, which the selection tables do not need

@@ -1,7 +1,8 @@
 """Perplexity and selection quality of every mode on held-out real text.
 
-For each context length and each of `n_seqs` windows of held-out text (the "eval" part of the
-corpus split), every mode runs the same prefill-style forward:
+For each split of held-out text (`eval.heldout`: by default the "eval" part of the Python docs),
+each context length and each of `n_seqs` windows of it, every mode runs the same prefill-style
+forward (one row per (split, length, mode)):
   - perplexity over all tokens, and over the second half of each window (where the budget
     binds: the first `topk` blocks see everything);
   - per layer, block recall of the mode's selection against the layer's own InfLLM-V2 choice
@@ -25,9 +26,11 @@ from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.infinigen import CALIBRATION_TOKENS
 from sparda_jax.metrics import attention_mass, recall_counts, tile_blowup
 from sparda_jax.modes import MODES, forward
-from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
+from sparda_jax.text import haystack_from_tokens
 
-__all__ = ["eval_selection", "markdown_table"]
+from .heldout import HeldoutText, describe, python_docs_text
+
+__all__ = ["eval_selection", "markdown_table", "check_room"]
 
 
 # tokens per tile of the prefill kernel (sparda_jax.ops.sparse_attention.prefill.tile_tokens_for):
@@ -53,25 +56,37 @@ def _nll(logits, tokens):
     return -np.asarray(jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0], np.float64)
 
 
+def check_room(texts: list[HeldoutText], n_tokens: int, what: str) -> None:
+    """Raises ValueError naming the first split that holds fewer than n_tokens tokens."""
+    for t in texts:
+        if t.tokens < n_tokens:
+            raise ValueError(f"split {t.split!r} holds {t.tokens} tokens, fewer than the {n_tokens} {what}")
+
+
 def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, modes=MODES,
-                   forecast=None, seed: int = 0, progress: bool = True,
+                   forecast=None, seed: int = 0, texts: list[HeldoutText] | None = None, progress: bool = True,
                    on_row=None) -> dict:
     """Returns a JSON-ready dict (see the module docstring). forecast=None: the Forecast shipped
-    for this model, or an untrained one (the rows say which).
-    on_row(partial_result) is called after every (length, mode) row, e.g. to save progress."""
+    for this model, or an untrained one (the rows say which). texts: the held-out splits
+    (default: the Python docs' held-out quarter); a window never repeats text, so a split
+    shorter than the longest length raises ValueError before any model work.
+    on_row(partial_result) is called after every (split, length, mode) row, e.g. to save progress."""
     c = model.config
     for m in modes:
         if m not in MODES:
             raise ValueError(f"unknown mode {m!r}; expected one of {', '.join(MODES)}")
     tok = model.tokenizer
-    docs = python_docs_corpus()
+    if texts is None:
+        if tok is None:
+            raise ValueError("the default held-out text needs the model's tokenizer")
+        texts = [python_docs_text(tok.encode)]
+    check_room(texts, max(lengths), "of a window (--lengths)")
     extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     trained, ig = extra["forecast_trained"], extra.get("infinigen")
-    eval_docs = corpus_split(docs, "eval")
     rows = []
-    bar = tqdm(total=len(lengths) * n_seqs * len(modes), desc="eval", disable=not progress)
-    for length in lengths:
-        seqs = [haystack_tokens(tok.encode, length, seed=seed + 1000 + i, docs=eval_docs) for i in range(n_seqs)]
+    bar = tqdm(total=len(texts) * len(lengths) * n_seqs * len(modes), desc="eval", disable=not progress)
+    for text, length in ((t, n) for t in texts for n in lengths):
+        seqs = [haystack_from_tokens(text.docs, length, seed=seed + 1000 + i) for i in range(n_seqs)]
         for mode in modes:
             nll_all, nll_late = [], []
             hits = np.zeros(c.num_layers)
@@ -100,12 +115,14 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
             all_ = np.concatenate(nll_all)
             late = np.concatenate(nll_late)
             row = {
+                "split": text.split,
                 "mode": mode + ("" if mode != "sparda" else (" (trained)" if trained else " (untrained)")),
                 "length": length,
                 "n_seqs": n_seqs,
                 "tokens_scored": int(all_.size),
                 "ppl": math.exp(all_.mean()),
                 "ppl_late": math.exp(late.mean()),
+                "tokens_late": int(late.size),
                 # a 95% interval on the mean NLL of the late half, over tokens (they are
                 # correlated within a sequence, so this is a lower bound on the uncertainty)
                 "nll_late_ci95": 1.96 * float(late.std(ddof=1) / math.sqrt(late.size)),
@@ -114,24 +131,26 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
             if mode != "dense":
                 per_layer = np.where(total > 0, hits / np.maximum(total, 1), np.nan)
                 row["recall"] = float(hits.sum() / max(total.sum(), 1))
+                row["recall_hits"], row["recall_total"] = int(hits.sum()), int(total.sum())
                 row["recall_per_layer"] = [None if math.isnan(x) else round(float(x), 4) for x in per_layer]
                 row["attention_mass"] = float(mass.mean())
                 row["attention_mass_per_layer"] = [round(float(x), 4) for x in mass]
                 row["tile_union_over_selected"] = {str(tt): float(np.mean(v)) for tt, v in blowup.items()}
             rows.append(row)
             if on_row is not None:
-                on_row(_result(c, rows, ig))
+                on_row(_result(c, rows, ig, texts))
     bar.close()
-    return _result(c, rows, ig)
+    return _result(c, rows, ig, texts)
 
 
-def _result(c, rows, ig) -> dict:
+def _result(c, rows, ig, texts) -> dict:
     sp = c.sparse
     return {
         "model": c.name,
         "budget": {"block_size": sp.block_size, "init_blocks": sp.init_blocks, "local_blocks": sp.local_blocks,
                    "topk": sp.topk, "kernel_size": sp.kernel_size, "kernel_stride": sp.kernel_stride},
-        "text": "held-out quarter of the Python docs shipped with CPython (pydoc_data.topics)",
+        "text": describe(texts),
+        "splits": {t.split: t.info for t in texts},
         "infinigen": None if ig is None else {"columns": ig.columns, "ratio": ig.columns / c.head_dim,
                                               "calibration_tokens": CALIBRATION_TOKENS},
         "rows": rows,
@@ -139,6 +158,16 @@ def _result(c, rows, ig) -> dict:
 
 
 def markdown_table(result: dict) -> str:
+    """One table per split (rows of files written before splits were recorded: one table)."""
+    splits = list(dict.fromkeys(r.get("split") for r in result["rows"]))
+    if len(splits) == 1:
+        return _split_table(result["rows"])
+    return "\n\n".join(f"**{s}**\n\n" + _split_table([r for r in result["rows"] if r.get("split") == s])
+                       for s in splits)
+
+
+def _split_table(rows: list[dict]) -> str:
+    result = {"rows": rows}
     lengths = sorted({r["length"] for r in result["rows"]})
     modes = list(dict.fromkeys(r["mode"] for r in result["rows"]))
     by = {(r["mode"], r["length"]): r for r in result["rows"]}

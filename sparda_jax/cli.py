@@ -24,6 +24,7 @@ _DTYPES = ("float32", "bfloat16")
 
 EVAL_MODES = ("dense", "sparse", "infinigen", "sparda")  # the eval tables' column order
 EVAL_LENGTHS = (1024, 2048, 4096, 8192)  # SmolLM2: 1K..8K; the tasks suite caps the last at what fits
+COPY_LENGTHS = (4096, 8192)
 
 
 def _cta_count(s: str):
@@ -200,6 +201,23 @@ def _cmd_eval(args) -> int:
             _check_output(Path(args.out).with_suffix(suffix) if suffix else args.out)
     if args.forecast and args.forecast != "random" and not Path(args.forecast).is_file():
         raise FileNotFoundError(f"Forecast file not found: {args.forecast}")
+    splits = None
+    if args.splits and not args.text:
+        raise ValueError("--splits names splits of a token corpus: give its directory with --text")
+    if args.text:
+        if args.suite not in ("selection", "copy"):
+            raise ValueError(f"--text applies to the selection and copy suites, not {args.suite}")
+        from .eval.heldout import corpus_splits
+
+        known = corpus_splits(args.text)  # a missing or foreign manifest is refused before the model loads
+        splits = args.splits or [s for s in known if s.startswith("eval-")]
+        unknown = [s for s in splits if s not in known]
+        if unknown or not splits:
+            what = f"split {unknown[0]!r} is not in {args.text}" if unknown else \
+                f"{args.text} has no eval-* split; name some with --splits"
+            raise ValueError(f"{what}; its splits are {', '.join(known)}")
+    if args.samples is None:
+        args.samples = 8 if args.suite == "copy" else 20
     model = _load(args)
     too_long = [n for n in args.lengths or () if n > model.config.max_position_embeddings]
     if too_long:
@@ -222,16 +240,33 @@ def _cmd_eval(args) -> int:
             out.write_text(json.dumps(result, indent=2))
 
     common = dict(seed=args.seed, on_row=lambda r: save(r, False))
+    texts, goals = None, None
+    if splits is not None:
+        from .eval.heldout import corpus_texts
+
+        texts = corpus_texts(args.text, splits, vocab_size=model.config.vocab_size)
+    if args.suite in ("selection", "copy"):
+        common["texts"] = texts
     if args.suite == "selection":
         from .eval.selection import eval_selection, markdown_table
 
         result = eval_selection(model, lengths=tuple(args.lengths or EVAL_LENGTHS), n_seqs=args.seqs, modes=tuple(args.modes or EVAL_MODES),
                                 forecast=forecast, **common)
         table = markdown_table(result)
+        goals = dict(selection=result)
         intro = (f"Budget {result['budget']}; {args.seqs} windows per length of {result['text']}.\n"
                  "ppl = perplexity over all tokens (over the second half in parentheses); recall = share of\n"
                  "the layer's own InfLLM-V2 content blocks (forced blocks excluded) that the mode also chose,\n"
                  "all layers; mass = dense attention probability inside the selected blocks.\n")
+    elif args.suite == "copy":
+        from .eval.copy import copy_markdown, eval_copy
+
+        result = eval_copy(model, lengths=tuple(args.lengths or COPY_LENGTHS), samples=args.samples,
+                           modes=tuple(args.modes or EVAL_MODES), forecast=forecast, **common)
+        table = copy_markdown(result)
+        goals = dict(copy=result)
+        intro = (f"Budget {result['budget']}; {args.samples} copy sequences per length from {result['text']}: "
+                 f"filler, a {result['rows'][0]['passage_tokens']}-token passage, filler, the passage again.\n")
     elif args.suite == "tasks":
         from .eval.accuracy import eval_tasks, max_task_length, plot_tasks, tasks_markdown
         from .eval.tasks import TASKS
@@ -253,11 +288,17 @@ def _cmd_eval(args) -> int:
         table = budget_markdown(result)
         intro = f"Budget sweep at {result['length']} tokens.\n"
     save(result, True)
+    if goals is not None:  # issue 30's goals, where the rows allow them
+        from .eval.goals import goal_checks, goals_text
+
+        goals = goals_text(goal_checks(**goals))
     if out is not None:
         out.with_suffix(".md").write_text(
-            f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n"
+            f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n" + (f"{goals}\n" if goals else "") +
             f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
     print(table)
+    if goals:
+        print(goals)
     return 0
 
 
@@ -387,17 +428,25 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_cmd_demo)
 
     e = sub.add_parser("eval", help="accuracy of each mode: synthetic long-context tasks (default), "
-                                    "perplexity and selection quality, or a budget sweep")
+                                    "perplexity and selection quality, long-range copy, or a budget sweep")
     model_args(e)
-    e.add_argument("--suite", choices=["tasks", "selection", "budget"], default="tasks")
+    e.add_argument("--suite", choices=["tasks", "selection", "copy", "budget"], default="tasks",
+                   help="copy: the long-range copy task with the share of selections holding the source block")
     e.add_argument("--modes", nargs="+", help="default: dense sparse infinigen sparda (budget suite: sparse sparda)")
     e.add_argument("--lengths", type=_positive_int, nargs="+",
-                   help="contexts (default 1024 2048 4096 8192; tasks suite: 8192 becomes the longest that fits "
-                        "the model with the answer, 8064 for SmolLM2)")
+                   help="contexts (default 1024 2048 4096 8192; copy suite: 4096 8192; tasks suite: 8192 becomes "
+                        "the longest that fits the model with the answer, 8064 for SmolLM2)")
     e.add_argument("--tasks", nargs="+", help="default: every task (budget suite: niah_single copy)")
-    e.add_argument("--samples", type=_positive_int, default=20, help="samples per (task, length, mode) cell")
+    e.add_argument("--samples", type=_positive_int,
+                   help="samples per (task, length, mode) cell (default 20; copy suite: sequences per (split, "
+                        "length, mode), default 8)")
     e.add_argument("--seqs", type=_positive_int, default=4, help="selection suite: windows of held-out text per length")
     e.add_argument("--topks", type=int, nargs="+", default=[12, 16, 24, 32], help="budget suite: block budgets")
+    e.add_argument("--text", metavar="DIR",
+                   help="selection and copy suites: held-out text from this token corpus (sparda_jax.corpus) "
+                        "instead of the Python docs' held-out quarter")
+    e.add_argument("--splits", nargs="+", help="with --text: the corpus splits, a row set each (default: its "
+                                               "eval-* splits)")
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--forecast", help="a Forecast .safetensors, or 'random' for an untrained one (default: the "
                                       "one shipped for the model, if any)")

@@ -10,7 +10,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-__all__ = ["python_docs_corpus", "corpus_split", "read_text_files", "haystack_tokens", "insert_at_depth"]
+import numpy as np
+
+__all__ = ["python_docs_corpus", "corpus_split", "read_text_files", "haystack_tokens", "haystack_from_tokens",
+           "insert_at_depth"]
 
 
 def python_docs_corpus() -> list[str]:
@@ -58,6 +61,32 @@ def haystack_tokens(encode, n_tokens: int, seed: int = 0, docs: list[str] | None
             if len(out) >= n_tokens:
                 break
     return out[:n_tokens]
+
+
+def haystack_from_tokens(docs_tokens, n_tokens: int, seed: int = 0) -> np.ndarray:
+    """Exactly `n_tokens` tokens (int32 [n_tokens]) of already tokenized documents (a sequence
+    of 1-D integer arrays): whole documents in the seeded order of `haystack_tokens`, cut at the
+    end. Documents tokenized as `encode(doc + "\n\n")` give `haystack_tokens`' windows exactly.
+    Unlike `haystack_tokens`, text is never repeated: raises ValueError when the documents hold
+    fewer than n_tokens tokens in all (or n_tokens < 1), TypeError for non-integer tokens."""
+    if isinstance(n_tokens, bool) or not isinstance(n_tokens, (int, np.integer)) or n_tokens < 1:
+        raise ValueError(f"n_tokens must be a positive integer, got {n_tokens!r}")
+    docs = [np.asarray(d) for d in docs_tokens]
+    for i, d in enumerate(docs):
+        if d.ndim != 1 or not (np.issubdtype(d.dtype, np.integer) or d.size == 0):
+            raise TypeError(f"document {i}: expected a 1-D integer token array, got {d.dtype} {d.shape}")
+    total = sum(d.size for d in docs)
+    if total < n_tokens:
+        raise ValueError(f"the documents hold {total} tokens, fewer than the {n_tokens} asked for")
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    out, have = [], 0
+    for i in order:
+        out.append(docs[i][: n_tokens - have])
+        have += out[-1].size
+        if have >= n_tokens:
+            break
+    return np.concatenate(out).astype(np.int32)
 
 
 def insert_at_depth(hay: list[int], needle: list[int], depth: float, decode) -> list[int]:

@@ -1,0 +1,103 @@
+"""The Forecast's goals on held-out text (issue 30), checked against `sparda eval` results.
+
+  copy    copy NLL of SparDA within 15% of Sparse's (ratio <= 1.15), at every measured length
+  recall  recall against the in-run InfLLM-V2 selection >= 0.92 at 4096 tokens, >= 0.88 at 8192
+  ppl     late-half perplexity within 1% of Sparse's (ratio <= 1.01) at 4096 and 8192 tokens
+
+Each check is made per split and, where there are several, over all splits pooled (copy NLL:
+mean over all sequences; recall: all hits over all rows; perplexity: token-weighted mean NLL).
+Every row whose mode starts with "sparda" (trained or untrained) is checked.
+"""
+
+from __future__ import annotations
+
+import math
+
+__all__ = ["COPY_NLL_RATIO", "RECALL_MIN", "PPL_RATIO", "goal_checks", "goals_text"]
+
+COPY_NLL_RATIO = 1.15
+RECALL_MIN = {4096: 0.92, 8192: 0.88}
+PPL_RATIO = 1.01
+ALL = "all splits"
+
+
+def _split(r: dict) -> str:
+    return r.get("split", "python-docs")
+
+
+def _groups(rows: list[dict]) -> dict[str, list[dict]]:
+    """Rows per split, and all of them under ALL when there are several splits."""
+    out: dict[str, list[dict]] = {}
+    for r in rows:
+        out.setdefault(_split(r), []).append(r)
+    if len(out) > 1:
+        out[ALL] = list(rows)
+    return out
+
+
+def _pool_copy(rs: list[dict]) -> float:
+    vals = [x for r in rs for x in (r.get("copy_nll_per_sample") or [r["copy_nll"]] * r.get("samples", 1))]
+    return sum(vals) / len(vals)
+
+
+def _pool_recall(rs: list[dict]) -> float:
+    if all("recall_total" in r for r in rs):
+        return sum(r["recall_hits"] for r in rs) / max(sum(r["recall_total"] for r in rs), 1)
+    return sum(r["recall"] for r in rs) / len(rs)
+
+
+def _pool_ppl_late(rs: list[dict]) -> float:
+    w = [r.get("tokens_late", 1) for r in rs]
+    return math.exp(sum(wi * math.log(r["ppl_late"]) for wi, r in zip(w, rs)) / sum(w))
+
+
+def goal_checks(selection: dict | None = None, copy: dict | None = None, *, reference: str = "sparse") -> list[dict]:
+    """The checks that the given results' rows allow, each a dict: goal, split, length, mode,
+    value, reference (the reference mode's value, or None), target (text), passed."""
+    checks = []
+    if copy is not None:
+        rows = [r for r in copy["rows"] if r.get("suite") == "copy"]
+        for split, rs in _groups(rows).items():
+            for length in sorted({r["length"] for r in rs}):
+                at = [r for r in rs if r["length"] == length]
+                ref = [r for r in at if r["mode"] == reference]
+                for mode in dict.fromkeys(r["mode"] for r in at if r["mode"].startswith("sparda")):
+                    if not ref:
+                        continue
+                    v, b = _pool_copy([r for r in at if r["mode"] == mode]), _pool_copy(ref)
+                    checks.append({"goal": "copy NLL", "split": split, "length": length, "mode": mode, "value": v,
+                                   "reference": b, "target": f"<= {COPY_NLL_RATIO:.2f} x {reference}",
+                                   "passed": v <= COPY_NLL_RATIO * b})
+    if selection is not None:
+        rows = [r for r in selection["rows"] if "task" not in r and r.get("suite", "selection") == "selection"]
+        for split, rs in _groups(rows).items():
+            for length in sorted({r["length"] for r in rs} & set(RECALL_MIN)):
+                at = [r for r in rs if r["length"] == length]
+                ref = [r for r in at if r["mode"] == reference]
+                for mode in dict.fromkeys(r["mode"] for r in at if r["mode"].startswith("sparda")):
+                    mine = [r for r in at if r["mode"] == mode]
+                    if all("recall" in r for r in mine):
+                        v = _pool_recall(mine)
+                        checks.append({"goal": "recall", "split": split, "length": length, "mode": mode, "value": v,
+                                       "reference": None, "target": f">= {RECALL_MIN[length]:.2f}",
+                                       "passed": v >= RECALL_MIN[length]})
+                    if ref:
+                        v, b = _pool_ppl_late(mine), _pool_ppl_late(ref)
+                        checks.append({"goal": "late-half ppl", "split": split, "length": length, "mode": mode,
+                                       "value": v, "reference": b, "target": f"<= {PPL_RATIO:.2f} x {reference}",
+                                       "passed": v <= PPL_RATIO * b})
+    return checks
+
+
+def goals_text(checks: list[dict], reference: str = "sparse") -> str:
+    """The checks as Markdown lines (PASS / FAIL with the numbers); a line saying none could be
+    made when there are none."""
+    if not checks:
+        return (f"Goals: none checkable here (they need sparda and {reference} rows: copy suite, or selection "
+                f"suite at 4096 / 8192 tokens).\n")
+    out = ["Goals (issue 30):", ""]
+    for c in checks:
+        ref = "" if c["reference"] is None else f" vs {reference} {c['reference']:.3f} (ratio {c['value'] / c['reference']:.3f})"
+        out.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['goal']} {c['target']}: {c['mode']} "
+                   f"{c['value']:.3f}{ref}; {c['split']}, {c['length']} tokens")
+    return "\n".join(out) + "\n"

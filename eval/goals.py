@@ -1,4 +1,4 @@
-"""The Forecast's goals on held-out text (issue 30), checked against `sparda eval` results.
+"""The Forecast's goals on held-out text, checked against `sparda eval` results.
 
   copy    copy NLL of SparDA within 15% of Sparse's (ratio <= 1.15), at every measured length
   recall  recall against the in-run InfLLM-V2 selection >= 0.92 at 4096 tokens, >= 0.88 at 8192
@@ -95,7 +95,7 @@ def goals_text(checks: list[dict], reference: str = "sparse") -> str:
     if not checks:
         return (f"Goals: none checkable here (they need sparda and {reference} rows: copy suite, or selection "
                 f"suite at 4096 / 8192 tokens).\n")
-    out = ["Goals (issue 30):", ""]
+    out = ["Goals of the Forecast on held-out text:", ""]
     for c in checks:
         ref = "" if c["reference"] is None else f" vs {reference} {c['reference']:.3f} (ratio {c['value'] / c['reference']:.3f})"
         out.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['goal']} {c['target']}: {c['mode']} "

@@ -235,9 +235,16 @@ def _cmd_eval(args) -> int:
     def save(result, complete: bool):
         result.update(environment=env, command="sparda " + " ".join(sys.argv[1:]),
                       seconds=round(time.perf_counter() - t0, 1), complete=complete)
-        if out is not None:
+        if out is None:
+            return
+        if complete:
+            _write_result(out, json.dumps(result, indent=2))
+            return
+        try:  # progress: a failed write here is retried (with its fallback) at the end
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(result, indent=2))
+        except OSError:
+            pass
 
     common = dict(seed=args.seed, on_row=lambda r: save(r, False))
     texts, goals = None, None
@@ -287,18 +294,18 @@ def _cmd_eval(args) -> int:
                              tasks=tuple(args.tasks or ("niah_single", "copy")), **common)
         table = budget_markdown(result)
         intro = f"Budget sweep at {result['length']} tokens.\n"
-    save(result, True)
-    if goals is not None:  # issue 30's goals, where the rows allow them
+    if goals is not None:  # the Forecast's accuracy goals, where the rows allow them
         from .eval.goals import goal_checks, goals_text
 
         goals = goals_text(goal_checks(**goals))
-    if out is not None:
-        out.with_suffix(".md").write_text(
-            f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n" + (f"{goals}\n" if goals else "") +
-            f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
     print(table)
     if goals:
         print(goals)
+    save(result, True)
+    if out is not None:
+        _write_result(out.with_suffix(".md"),
+                      f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n" + (f"{goals}\n" if goals else "") +
+                      f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
     return 0
 
 

@@ -453,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="realmodel: smollm2-135m, a .gguf file or an HF checkpoint directory")
     bn.add_argument("--dtype", choices=_DTYPES, help="realmodel: compute dtype (default bfloat16)")
     bn.add_argument("--systems", nargs="+",
-                    help="realmodel: dense_resident sparse_resident sparse infinigen sparda_sync sparda (default: all)")
+                    help="realmodel: dense_resident sparda sparse_resident sparse sparda_sync infinigen (default: all, "
+                         "in this order)")
     bn.add_argument("--contexts", type=int, nargs="+",
                     help="realmodel: prompt tokens (default 4096 8192; shortened where prompt + new tokens pass "
                          "the model's positions)")

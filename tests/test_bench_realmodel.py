@@ -18,6 +18,7 @@ from sparda_jax.bench import realmodel as RM
 from sparda_jax.bench.timing import Budget
 from sparda_jax.infer.engine import EngineConfig
 from sparda_jax.infer.generate import SamplingConfig, generate
+from sparda_jax.text import haystack_tokens
 
 CONTEXT, NEW, K = 200, 9, 2  # 8 decode steps in 4 calls of 2: the first and 3 steady ones
 
@@ -98,10 +99,9 @@ def test_miss_rate_and_bytes_against_an_independent_run(grid, tiny):
     r, _, _ = grid
     fc = init_forecast(tiny.config, jax.random.key(0))  # prepare_modes' untrained Forecast for seed 0
     for x in (x for x in r["rows"] if x["system"] == "sparda"):
-        prompts = RM.make_prompts(tiny.tokenizer.encode, CONTEXT, x["batch"], seed=0)
-        assert all(len(p) == CONTEXT for p in prompts)
-        _, st = generate(tiny.params, tiny.config, prompts, SamplingConfig(max_new_tokens=NEW), engine=EngineConfig("sparda"),
-                         forecast=fc, return_stats=True, steps_per_call=K)
+        prompts = [haystack_tokens(tiny.tokenizer.encode, CONTEXT, seed=i) for i in range(x["batch"])]
+        _, st = generate(tiny.params, tiny.config, prompts, SamplingConfig(max_new_tokens=NEW),
+                         engine=EngineConfig("sparda"), forecast=fc, return_stats=True, steps_per_call=K)
         assert (x["copied_blocks"], x["selected_blocks"]) == (st["copied_blocks"], st["selected_blocks"])
         assert 0 <= x["miss_rate"] <= 1 and 0 < x["copied_blocks"]
         assert x["miss_rate"] == st["copied_blocks"] / st["selected_blocks"]
@@ -170,7 +170,10 @@ def test_claims_at_4k_batch_1():
                   "Sparse / Dense+ steady prefill seconds, 4K batch 1 (at most)": (1.25, True)}
 
 
-def test_default_steps_per_call_and_prompt_lengths():
+def test_defaults():
+    from sparda_jax.infer.engine import ENGINE_MODES
+
+    assert sorted(RM.SYSTEMS) == sorted(ENGINE_MODES) and RM.SYSTEMS[:2] == ("dense_resident", "sparda")
     # no shorter last call, at least 3 calls, at most 8 steps a call
     assert [RM.default_steps_per_call(n) for n in (64, 65, 8, 9, 2, 3)] == [7, 8, 1, 2, 1, 1]
     assert RM.prompt_length(4096, 64, 8192) == 4096

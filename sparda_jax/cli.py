@@ -544,6 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--model", default="smollm2-135m",
                     help="realmodel: smollm2-135m, a .gguf file or an HF checkpoint directory")
     bn.add_argument("--dtype", choices=_DTYPES, help="realmodel: compute dtype (default bfloat16)")
+    bn.add_argument("--first-token", nargs="+", metavar="SYSTEM",
+                    help="realmodel: also time `sparda generate` for these systems in fresh processes, cold (an empty "
+                         "compilation cache) then warm: process start to the first generated text")
     bn.add_argument("--systems", nargs="+",
                     help="realmodel: dense_resident sparda sparse_resident sparse sparda_sync infinigen (default: all, "
                          "in this order)")

@@ -81,8 +81,11 @@ def nvcc_path() -> str | None:
 
 
 def library_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    """Where the built libraries are kept: cache_dir, else $SPARDA_CACHE, else ~/.cache/sparda-jax."""
-    return Path(cache_dir or os.environ.get("SPARDA_CACHE", Path.home() / ".cache" / "sparda-jax"))
+    """Where the built libraries are kept: cache_dir, else the package's cache folder
+    (`sparda_jax.runtime.default_cache_dir`: $SPARDA_JAX_CACHE_DIR or ~/.cache/sparda-jax)."""
+    from sparda_jax.runtime import default_cache_dir
+
+    return Path(cache_dir) if cache_dir else default_cache_dir()
 
 
 def _compile(compiler: str, flags, source: Path, name: str, cache_dir, force: bool) -> Path:

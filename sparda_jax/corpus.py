@@ -96,7 +96,9 @@ DEFAULT_SOURCES: tuple[SourceSpec, ...] = (
     _train("postgresql-doc-15", "usr/share/doc/postgresql-doc-15/html/*.html"),
     _train("python3.11-doc", "usr/share/doc/python3.11/html/**/*.html"),
     _train("rust-doc", "usr/share/doc/rust-doc/html/**/*.html",
-           exclude=("usr/share/doc/rust-doc/html/src/**", "**/arch/**", "**/core_arch/**", "**/implementors/**")),
+           # std re-exports core and alloc: their pages would be near-copies of std's
+           exclude=("usr/share/doc/rust-doc/html/src/**", "usr/share/doc/rust-doc/html/core/**",
+                    "usr/share/doc/rust-doc/html/alloc/**", "**/arch/**", "**/implementors/**")),
     _train("debian-reference-en", "usr/share/debian-reference/*.en.html"),
     _train("developers-reference", "usr/share/developers-reference/*.html",
            exclude=("**/developers-reference.html",)),  # the single-page copy of the other pages
@@ -192,6 +194,8 @@ class _HtmlText(HTMLParser):
             self.lines.extend(text.split("\n"))
         else:
             text = " ".join(text.split())
+            if text == "-":  # a list item whose content was all furniture
+                text = ""
             if text:
                 self.lines.append(text)
             elif self.lines and self.lines[-1]:
@@ -314,8 +318,6 @@ _MAN_CHARS = {"em": "\u2014", "en": "\u2013", "aq": "'", "dq": '"', "lq": '"', "
 _MAN_FONT_MACROS = {"B", "I", "SM", "SB"}
 _MAN_ALT_MACROS = {"BR", "RB", "IR", "RI", "BI", "IB"}
 _MAN_HEADINGS = {"SH", "SS"}
-_MAN_BREAKS = {"PP", "LP", "P", "sp", "br", "TP", "IP", "HP", "RS", "RE", "EX", "EE", "nf", "fi", "in",
-               "ti", "TQ", "YS", "SY"}
 
 
 def _man_escapes(s: str) -> str:
@@ -356,67 +358,102 @@ def _man_args(rest: str) -> list[str]:
 
 def man_to_text(source: str) -> str:
     """A troff man page (man(7) macros) as plain text, in pure Python: comments and layout
-    requests dropped, .TH as "NAME(SECTION)", section headings on their own lines, font macros
-    (.B, .BR, ...) and escapes (\\fB, \\(em, \\-, ...) reduced to their text; tbl format lines dropped."""
+    requests dropped, .TH as "NAME(SECTION)", section headings and .TP/.IP tags on their own
+    lines, font macros (.B, .BR, ...) and escapes (\\fB, \\(em, \\-, ...) reduced to their text,
+    filled text joined into one line per paragraph (.nf/.EX blocks kept line by line), tbl
+    format lines dropped."""
+    source = re.sub(r"(?<!\\)\\\n", "", source)  # an escaped newline continues the line
     out: list[str] = []
-    in_table, table_format = False, False
-    for raw in source.splitlines():
-        line = raw.rstrip()
+    para: list[str] = []
+    fill, tag_next = True, False
+    in_table = table_format = False
+
+    def brk(blank: bool = False):
+        if para:
+            out.append(" ".join(para))
+            para.clear()
+        if blank and out and out[-1]:
+            out.append("")
+
+    def text(t: str):
+        nonlocal tag_next
+        if tag_next:  # the tag line of a .TP paragraph
+            brk()
+            out.append(t)
+            tag_next = False
+        elif not fill:
+            out.append(t)
+        elif t.strip():
+            para.append(t.strip())
+        else:
+            brk(blank=True)
+
+    for line in source.splitlines():
+        line = line.rstrip()
         if line.startswith(('.\\"', "'\\\"", '\\"')) or line in (".", "'"):
             continue
         if in_table:
             if line.startswith(".TE"):
                 in_table = False
-                continue
-            if table_format:
-                if line.rstrip().endswith("."):
-                    table_format = False
-                continue
-            if line.startswith((".T&",)):
+                out.append("")
+            elif table_format:
+                table_format = not line.endswith(".")
+            elif line.startswith(".T&"):
                 table_format = True
-                continue
-            if not line.startswith((".", "'")):
+            elif not line.startswith((".", "'")):
                 out.append(_man_escapes(line.replace("\t", "  ").replace("T{", "").replace("T}", "")))
             continue
-        if line.startswith((".", "'")):
-            m = re.match(r"[.']\s*(\S+)\s*(.*)", line)
-            if not m:
-                continue
-            macro, rest = m.group(1), m.group(2)
-            if macro == "TS":
-                in_table, table_format = True, True
-                out.append("")
-            elif macro == "TH":
-                a = _man_args(rest)
-                out.extend([f"{a[0]}({a[1]})" if len(a) > 1 else " ".join(a), ""])
-            elif macro in _MAN_HEADINGS:
-                out.extend(["", _man_escapes(" ".join(_man_args(rest))), ""])
-            elif macro in _MAN_FONT_MACROS:
-                out.append(_man_escapes(" ".join(_man_args(rest))))
-            elif macro in _MAN_ALT_MACROS:
-                out.append(_man_escapes("".join(_man_args(rest))))
-            elif macro in ("IP", "TP", "HP"):
-                a = _man_args(rest)
-                out.append("" if macro == "TP" or not a or macro == "HP" else _man_escapes(a[0]))
-            elif macro in ("UR", "MT"):
-                continue
-            elif macro in ("UE", "ME", "OP"):
-                if rest:
-                    out.append(_man_escapes(" ".join(_man_args(rest))))
-            elif macro in ("PP", "LP", "P", "sp"):
-                out.append("")
-            continue  # every other request: layout only
-        out.append(_man_escapes(line))
-    # join the lines of a paragraph: troff fills them, so one line per input line would be noise
-    text = "\n".join(out)
-    return _tidy(text)
+        if not line.startswith((".", "'")):
+            text(_man_escapes(line))
+            continue
+        m = re.match(r"[.']\s*(\S+)\s*(.*)", line)
+        if not m:
+            continue
+        macro, rest = m.group(1), m.group(2)
+        if macro == "TS":
+            brk(blank=True)
+            in_table = table_format = True
+        elif macro == "TH":
+            brk()
+            a = _man_args(rest)
+            out.extend([f"{a[0]}({a[1]})" if len(a) > 1 else " ".join(a), ""])
+        elif macro in _MAN_HEADINGS:
+            brk(blank=True)
+            out.extend([_man_escapes(" ".join(_man_args(rest))), ""])
+        elif macro in _MAN_FONT_MACROS:
+            if rest:
+                text(_man_escapes(" ".join(_man_args(rest))))
+        elif macro in _MAN_ALT_MACROS:
+            text(_man_escapes("".join(_man_args(rest))))
+        elif macro in ("TP", "TQ"):
+            brk(blank=macro == "TP")
+            tag_next = True
+        elif macro == "IP":
+            brk(blank=True)
+            a = _man_args(rest)
+            if a and a[0] not in ("\\(bu", "\\[bu]", "*", "-"):
+                out.append(_man_escapes(a[0]))
+        elif macro in ("nf", "EX"):
+            brk()
+            fill = False
+        elif macro in ("fi", "EE"):
+            fill = True
+        elif macro in ("PP", "LP", "P", "sp", "HP"):
+            brk(blank=True)
+        elif macro in ("br", "RS", "RE", "in", "ti", "SY", "YS"):
+            brk()
+        elif macro in ("UE", "ME", "OP") and rest:
+            text(_man_escapes(" ".join(_man_args(rest))))
+        # every other request (.UR, .ft, .ad, .so, ...): layout only
+    brk()
+    return _tidy("\n".join(out))
 
 
 def info_to_text(source: str) -> str:
-    """A GNU info file as plain text: node header lines, menus ("* Menu:" blocks), the indirect
-    table and the tag table dropped; node text kept."""
+    """A GNU info file as plain text: node header lines, menus ("* Menu:" blocks), the dir entry,
+    the indirect table and the tag table dropped; node text kept."""
     text = source.split("\x1fTag Table:")[0].split("\x1f\nTag Table:")[0]
-    out, in_menu = [], False
+    out, in_menu, in_dir = [], False, False
     for chunk in text.split("\x1f"):
         lines = chunk.lstrip("\n").splitlines()
         if not lines:
@@ -426,6 +463,13 @@ def info_to_text(source: str) -> str:
         if lines[0].startswith("File:") and "Node:" in lines[0]:
             lines = lines[1:]
         for line in lines:
+            if line.startswith("START-INFO-DIR-ENTRY"):
+                in_dir = True
+            if in_dir:
+                in_dir = not line.startswith("END-INFO-DIR-ENTRY")
+                continue
+            if line.startswith("INFO-DIR-SECTION"):
+                continue
             if line.startswith("* Menu:"):
                 in_menu = True
                 continue

@@ -26,7 +26,7 @@ HTML = f"""<!DOCTYPE html><html class="sidebar-visible"><head><title>Page title<
 <div class="sphinxsidebar"><h3>Quick search</h3><p>Search the documentation here.</p></div>
 <div class="body"><h1>Chapter one<a class="headerlink" href="#c">¶</a></h1>
 <p>{PARAGRAPH * 2}</p>
-<ul><li>first item</li><li>second <b>bold</b> item</li></ul>
+<ul><li>first item</li><li>second <b>bold</b> item</li><li><a class="nav-link">Next</a></li></ul>
 <pre>int main(void)
 {{
     return 0;
@@ -37,7 +37,8 @@ HTML = f"""<!DOCTYPE html><html class="sidebar-visible"><head><title>Page title<
 RST = "Guide\n=====\n\n" + PARAGRAPH * 6 + "\n\nSecond section\n--------------\n\n" + PARAGRAPH * 2
 GZ_TEXT = "Notes\n\n" + PARAGRAPH * 5
 MAN = (".\\\" a comment\n.TH TOOL 1 2024-01-01\n.SH NAME\ntool \\- do a thing\n.SH DESCRIPTION\n"
-       ".B tool\nreads \\fIfiles\\fP and writes \\(lqtext\\(rq.\n.PP\n" + PARAGRAPH * 4 + "\n.BR ls (1)\n")
+       ".B tool\nreads \\fIfiles\\fP and writes \\(lqtext\\(rq.\n.PP\n" + PARAGRAPH * 4 + "\n.BR ls (1)\n"
+       ".TP\n.B \\-v\nBe\nverbose.\n.nf\nline one\n  line two\n.fi\n")
 INFO = ("This is tool.info, produced by makeinfo.\n\n\x1f\nFile: tool.info,  Node: Top,  Next: Usage,  Up: (dir)\n\n"
         "Tool\n****\n\n" + PARAGRAPH * 3 + "\n\n* Menu:\n\n* Usage::     How to use it.\n\n"
         "\x1f\nFile: tool.info,  Node: Usage,  Prev: Top,  Up: Top\n\n1 Usage\n*******\n\n" + PARAGRAPH * 2 +
@@ -99,7 +100,7 @@ def test_html_to_text_keeps_content_and_drops_furniture():
     lines = text.splitlines()
     assert lines[0] == "Chapter one"  # the heading, without the ¶ anchor
     assert (PARAGRAPH * 2).strip() in lines
-    assert "- first item" in lines and "- second bold item" in lines
+    assert "- first item" in lines and "- second bold item" in lines and "-" not in lines
     assert "int main(void)\n{\n    return 0;\n}" in text  # <pre> verbatim
     assert lines[-1] == PARAGRAPH + "Ends here & now."
     for junk in ("Page title", "color", "navigation", "Home | Next", "Quick search", "Search the", "Footer", "¶"):
@@ -110,9 +111,9 @@ def test_pod_man_info_to_text():
     pod = "=head1 NAME\n\nperlfoo - B<bold> and C<< $a <=> $b >> see L<the docs|perlfunc/open> E<gt> x\n\n=cut\n"
     assert pod_to_text(pod) == "NAME\n\nperlfoo - bold and $a <=> $b see the docs > x"
     man = man_to_text(MAN)
-    assert man.startswith("TOOL(1)\n\nNAME\n\ntool - do a thing\n\nDESCRIPTION\n\n"
-                          "tool\nreads files and writes \"text\".")
-    assert man.endswith("ls(1)") and "\\" not in man and ".PP" not in man
+    assert man == ("TOOL(1)\n\nNAME\n\ntool - do a thing\n\nDESCRIPTION\n\n"
+                   "tool reads files and writes \"text\".\n\n" + PARAGRAPH * 4 + "ls(1)\n\n"
+                   "-v\nBe verbose.\nline one\n  line two")
     info = info_to_text(INFO)
     assert "Node:" not in info and "Menu" not in info and "Usage::" not in info and "Tag Table" not in info
     assert "Tool\n****" in info and "1 Usage\n*******" in info and (PARAGRAPH * 2).strip() in info
@@ -214,7 +215,7 @@ def test_load_split_errors(tmp_path):
 
 
 def test_large_vocab_uses_uint32_and_train_reads_the_shards(tmp_path):
-    from train.data import is_shard_dir, token_stream
+    from sparda_jax.train.data import is_shard_dir, token_stream
 
     cache = _make_deb(tmp_path)
     manifest = build_corpus(tmp_path / "out", ByteTokenizer(), eos_id=0, vocab_size=70_000, cache_dir=cache,
@@ -226,3 +227,15 @@ def test_large_vocab_uses_uint32_and_train_reads_the_shards(tmp_path):
     np.testing.assert_array_equal(token_stream([out], ByteTokenizer(), [0]), load_split(out, "train"))
     with pytest.raises(ValueError, match="eos_id"):
         token_stream([out], ByteTokenizer(), [2])
+
+
+def test_cli_corpus_info(tmp_path, capsys):
+    from sparda_jax.cli import main
+
+    cache = _make_deb(tmp_path)
+    _build(tmp_path, cache, kind="eval")
+    assert main(["corpus", "info", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "tokenizer bytes (vocab 256, eos 0)" in out and "eval-info: 1 documents" in out
+    assert main(["corpus", "info", str(tmp_path / "nowhere")]) == 2
+    assert "corpus directory not found" in capsys.readouterr().err

@@ -731,8 +731,8 @@ def build_corpus(out, tokenizer, *, eos_id: int, packages=None, kind: str = "all
     shard_tokens: the most tokens per shard file (a longer document gets a shard of its own).
     cache_dir: where .debs and unpacked trees are kept (default `default_corpus_dir()`).
     model_name / vocab_size: recorded in the manifest (default: the tokenizer's `name` /
-    `vocab_size`). Splits of an earlier manifest in `out` for the same tokenizer that this build
-    does not rebuild are kept. Raises ValueError on bad arguments, on a package no source names,
+    `vocab_size`). A split is rebuilt from the chosen packages alone; the splits of an earlier
+    manifest in `out` (same tokenizer) that no chosen package feeds are kept. Raises ValueError on bad arguments, on a package no source names,
     and on ids outside the vocabulary."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -774,6 +774,13 @@ def build_corpus(out, tokenizer, *, eos_id: int, packages=None, kind: str = "all
             part = docs[i:i + chunk]
             token_lists.extend(np.asarray(ids, np.int64) for ids in encode([d.text for d in part]))
             bar.update(sum(len(d.text) for d in part))
+    # a document whose text encodes to the EOS id (a special token spelled out) would split in two
+    clash = [i for i, t in enumerate(token_lists) if (t == eos_id).any()]
+    if clash and log:
+        log(f"dropped {len(clash)} documents whose text encodes to the EOS id: "
+            + ", ".join(f"{docs[i].package}/{docs[i].path}" for i in clash[:5]))
+    keep = sorted(set(range(len(docs))) - set(clash))
+    docs, token_lists = [docs[i] for i in keep], [token_lists[i] for i in keep]
     top = max((int(t.max()) for t in token_lists if t.size), default=0)
     if top >= vocab_size:
         raise ValueError(f"the tokenizer produced id {top}, outside its vocabulary of {vocab_size}")
@@ -786,7 +793,8 @@ def build_corpus(out, tokenizer, *, eos_id: int, packages=None, kind: str = "all
             splits = dict(old["splits"])
     except (FileNotFoundError, ValueError):
         pass
-    built = [s for s in SPLITS if (s in ("train", "heldout") and "train" in wanted) or s in wanted]
+    fed = {s.split for s in specs} | ({"heldout"} if any(s.split == "train" for s in specs) else set())
+    built = [s for s in SPLITS if s in fed]
     for split in built:
         idx = [i for i, d in enumerate(docs) if d.split == split]
         if not idx:
@@ -796,6 +804,10 @@ def build_corpus(out, tokenizer, *, eos_id: int, packages=None, kind: str = "all
             continue
         splits[split] = _write_split(out, split, [docs[i] for i in idx], [token_lists[i] for i in idx],
                                      eos_id=int(eos_id), dtype=dtype, shard_tokens=shard_tokens, versions=versions)
+    for split in SPLITS:  # shards of splits a fresh manifest no longer lists
+        if split not in splits:
+            for old_file in out.glob(f"{split}-*.npy"):
+                old_file.unlink()
     rows = [f"{d.split}\t{d.package}\t{d.path}\t{len(d.text)}\t{len(t) + 1}" for d, t in zip(docs, token_lists)]
     index = out / "documents.tsv"
     kept = []

@@ -214,6 +214,38 @@ def test_load_split_errors(tmp_path):
         _build(tmp_path, cache, kind="eval", packages=["linux-doc-6.1"])
 
 
+def test_documents_holding_the_eos_id_are_dropped(tmp_path):
+    cache = _make_deb(tmp_path)
+    logged = []
+    # with the byte tokenizer and eos_id = ord("P"), the licence ("Permission ...") and the man page
+    # ("DESCRIPTION") hold the EOS id; the other documents do not
+    m = build_corpus(tmp_path / "out", ByteTokenizer(), eos_id=ord("P"), vocab_size=256, cache_dir=cache,
+                     sources=SOURCES, progress=False, log=logged.append)
+    assert set(m["splits"]) in ({"train", "eval-info"}, {"train", "heldout", "eval-info"})
+    assert any("dropped 2 documents" in line and f"{PKG}/{DOC}/copyright" in line for line in logged)
+    for split in m["splits"]:
+        stream = load_split(tmp_path / "out", split)
+        assert len(split_documents(stream, ord("P"))) == m["splits"][split]["documents"]
+
+
+def test_rebuilding_some_splits_keeps_the_others(tmp_path):
+    cache = _make_deb(tmp_path)
+    first = _build(tmp_path, cache, kind="eval")
+    info_before = load_split(tmp_path / "out", "eval-info")
+    again = build_corpus(tmp_path / "out", ByteTokenizer(), eos_id=0, vocab_size=256, model_name="bytes",
+                         cache_dir=cache, sources=SOURCES[:2], progress=False)  # train and eval-man only
+    assert {"train", "eval-man", "eval-info", "eval-licenses"} <= set(again["splits"])
+    assert again["splits"]["eval-info"] == first["splits"]["eval-info"]
+    np.testing.assert_array_equal(load_split(tmp_path / "out", "eval-info"), info_before)
+    assert {r["split"] for r in _index(tmp_path / "out")} >= {"train", "eval-man", "eval-info", "eval-licenses"}
+    # another tokenizer starts the manifest afresh
+    other = build_corpus(tmp_path / "out", ByteTokenizer(), eos_id=1, vocab_size=256, model_name="bytes",
+                         cache_dir=cache, sources=SOURCES[1:2], progress=False)
+    assert set(other["splits"]) == {"eval-man"}
+    assert sorted(f.name for f in (tmp_path / "out").glob("*.npy")) == ["eval-man-00000.npy"]
+    assert {r["split"] for r in _index(tmp_path / "out")} == {"eval-man"}
+
+
 def test_large_vocab_uses_uint32_and_train_reads_the_shards(tmp_path):
     from sparda_jax.train.data import is_shard_dir, token_stream
 

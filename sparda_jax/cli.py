@@ -338,6 +338,27 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_corpus(args) -> int:
+    from .corpus import build_corpus, corpus_info, default_corpus_dir
+
+    if args.corpus_cmd == "info":
+        print(corpus_info(args.dir))
+        return 0
+    out = args.out
+    _check_output(out, directory=True)
+    model = _load(args)
+    if model.tokenizer is None:
+        raise ValueError(f"{model.config.name} has no tokenizer to build a corpus with")
+    t0 = time.perf_counter()
+    build_corpus(out, model.tokenizer, eos_id=model.config.eos_token_ids[0], packages=args.packages,
+                 kind=args.kind, shard_tokens=args.shard_tokens,
+                 cache_dir=args.cache_dir or default_corpus_dir(), model_name=model.config.name,
+                 log=lambda s: print(s, file=sys.stderr))
+    print(corpus_info(out))
+    print(f"built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    return 0
+
+
 def _cmd_bench(args) -> int:
     if args.name == "copy":
         import jax
@@ -581,6 +602,23 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")
     bn.add_argument("--out", help="result JSON (default: the benchmark's own folder of the repository's results)")
     bn.set_defaults(fn=_cmd_bench)
+
+    co = sub.add_parser("corpus", help="the token corpus built from Debian documentation packages")
+    csub = co.add_subparsers(dest="corpus_cmd", required=True)
+    cb = csub.add_parser("build", help="fetch the packages, extract their text, write token shards + manifest")
+    model_args(cb)
+    cb.add_argument("--out", required=True, help="corpus directory (manifest.json and <split>-NNNNN.npy shards)")
+    cb.add_argument("--packages", nargs="+", help="only these packages (default: every source of --kind)")
+    cb.add_argument("--kind", choices=("train", "eval", "all"), default="all",
+                    help="train: the train and heldout splits; eval: eval-info, eval-man, eval-licenses")
+    cb.add_argument("--shard-tokens", type=_positive_int, default=4 * 1024 * 1024,
+                    help="the most tokens per shard file")
+    cb.add_argument("--cache-dir", help="where .debs and unpacked packages are kept "
+                                        "(default: $SPARDA_JAX_CACHE_DIR/corpus or ~/.cache/sparda-jax/corpus)")
+    cb.set_defaults(fn=_cmd_corpus)
+    ci = csub.add_parser("info", help="summarise a corpus directory")
+    ci.add_argument("dir")
+    ci.set_defaults(fn=_cmd_corpus)
 
     i = sub.add_parser("info", help="list the presets with their parameter counts")
     i.add_argument("--model", help="one preset name")

@@ -14,7 +14,7 @@ import numpy as np
 
 from sparda_jax.text import corpus_split, python_docs_corpus, read_text_files
 
-__all__ = ["load_documents", "tokenize_documents", "WindowSampler"]
+__all__ = ["load_documents", "tokenize_documents", "is_shard_dir", "shard_stream", "token_stream", "WindowSampler"]
 
 
 def load_documents(paths: list[str | Path] | None = None, split: str = "train") -> list[str]:
@@ -31,6 +31,32 @@ def tokenize_documents(docs: list[str], encode, separator: list[int]) -> np.ndar
         out.extend(encode(d))
         out.extend(separator)
     return np.asarray(out, np.int32)
+
+
+def is_shard_dir(paths) -> bool:
+    """Whether `paths` is one directory holding a token corpus's manifest.json (`sparda corpus build`)."""
+    return bool(paths) and len(paths) == 1 and (Path(paths[0]) / "manifest.json").is_file()
+
+
+def shard_stream(directory, tokenizer, eos_id: int, split: str = "train") -> np.ndarray:
+    """One split of a token corpus as an int32 stream, after checking that its tokenizer's
+    vocabulary size and EOS id are the model's (ValueError otherwise)."""
+    from sparda_jax.corpus import load_manifest, load_split
+
+    meta = load_manifest(directory)["tokenizer"]
+    vocab = getattr(tokenizer, "vocab_size", None)
+    if meta.get("eos_id") != eos_id or (vocab is not None and meta.get("vocab_size") != vocab):
+        raise ValueError(f"{directory}: built with {meta}, but the model's tokenizer has vocab_size "
+                         f"{vocab} and eos_id {eos_id}; rebuild the corpus with this model")
+    return load_split(directory, split)
+
+
+def token_stream(paths, tokenizer, separator: list[int]) -> np.ndarray:
+    """The training stream: a token corpus's `train` split when `paths` is its directory, else the
+    text of `load_documents(paths)` tokenized with `separator` after each document."""
+    if is_shard_dir(paths):
+        return shard_stream(paths[0], tokenizer, separator[0])
+    return tokenize_documents(load_documents(paths, "train"), tokenizer.encode, separator)
 
 
 class WindowSampler:

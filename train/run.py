@@ -23,7 +23,7 @@ from sparda_jax.text import haystack_tokens
 
 from .augment import MixedSampler, RetrievalMix
 from .checkpoint import Checkpointer
-from .data import WindowSampler, load_documents, tokenize_documents
+from .data import WindowSampler, load_documents, token_stream
 from .objective import TrainConfig, init_state, train_step
 
 __all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics"]
@@ -139,8 +139,7 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     tok = model.tokenizer
     if tok is None:
         raise ValueError("training needs the model's tokenizer")
-    docs = load_documents(data_paths, "train")
-    stream = tokenize_documents(docs, tok.encode, list(c.eos_token_ids[:1]))
+    stream = token_stream(data_paths, tok, list(c.eos_token_ids[:1]))
     sampler = WindowSampler(stream, tc.seq_len, tc.seed)
     if mix.active:
         sampler = MixedSampler(sampler, mix)

@@ -19,11 +19,11 @@ from sparda_jax.forecast import init_forecast
 from sparda_jax.io.forecast_file import save_forecast
 from sparda_jax.metrics import block_recall
 from sparda_jax.modes import forward
-from sparda_jax.text import haystack_tokens
+from sparda_jax.text import haystack_from_tokens, haystack_tokens
 
 from .augment import MixedSampler, RetrievalMix
 from .checkpoint import Checkpointer
-from .data import WindowSampler, load_documents, token_stream
+from .data import WindowSampler, is_shard_dir, load_documents, token_stream
 from .objective import TrainConfig, init_state, train_step
 
 __all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics"]
@@ -143,8 +143,20 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     sampler = WindowSampler(stream, tc.seq_len, tc.seed)
     if mix.active:
         sampler = MixedSampler(sampler, mix)
-    held_out = jnp.asarray([haystack_tokens(tok.encode, eval_len or min(tc.seq_len, 8192), seed=tc.seed + 7,
-                                            docs=load_documents(None, "eval"))], jnp.int32)
+    n_eval = eval_len or min(tc.seq_len, 8192)
+    held_docs = None
+    if is_shard_dir(data_paths):  # recall on the corpus's held-out documents (its training domains)
+        from sparda_jax.eval.heldout import corpus_texts
+
+        try:
+            held_docs = corpus_texts(data_paths[0], ["heldout"], vocab_size=c.vocab_size)[0].docs
+            held_out = jnp.asarray([haystack_from_tokens(held_docs, n_eval, seed=tc.seed + 7)], jnp.int32)
+        except ValueError as e:  # no heldout split, or too short: the default text instead
+            log(f"recall on the Python docs: {e}")
+            held_docs = None
+    if held_docs is None:
+        held_out = jnp.asarray([haystack_tokens(tok.encode, n_eval, seed=tc.seed + 7,
+                                                docs=load_documents(None, "eval"))], jnp.int32)
     mesh = make_mesh(data_devices)
     n_data = mesh.devices.size
     if tc.micro_batch % n_data:

@@ -11,9 +11,16 @@ Backends (default order "mosaic_gpu", "xla"):
                          any head dim that is a multiple of 64.
 A Mosaic backend raises NotImplementedError for inputs outside that envelope, so None falls
 back to "xla" there.
+
+Every backend of `sparse_attention` is differentiable in q, k, v and bias through one custom
+VJP (`vjp.py`): the backend's forward, then the memory-bounded jnp backward
+(`reference.sparse_attention_backward_reference`); the Mosaic kernels return no lse, so under
+differentiation the jnp reference computes it. `paged_sparse_attention` has no custom VJP.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +28,8 @@ import numpy as np
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
 from ..dense_attention.reference import check_qkv
-from .reference import check_block_ids, paged_sparse_attention_reference, sparse_attention_reference
+from .reference import check_block_ids, paged_sparse_attention_reference
+from .vjp import REFERENCE_FORWARD, differentiable, lse_by_reference
 
 __all__ = ["sparse_attention", "paged_sparse_attention", "BACKENDS", "PAGED_BACKENDS", "DEFAULT_ORDER"]
 
@@ -66,15 +74,17 @@ def _check_ids_below(ids, bound: int, what: str) -> None:
 
 @BACKENDS.register("xla")
 def _xla(q, k, v, block_ids, q_positions, *, block_size, bias, config):
-    return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
+    return differentiable(REFERENCE_FORWARD, q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
 
 
-def _mosaic(implementation):
-    def run(q, k, v, block_ids, q_positions, *, block_size, bias, config):
-        check_qkv(q, k, v, q_positions)
-        check_block_ids(q, k, block_ids)
-        _mosaic_support(implementation, q, k, v, block_size, bias)
-        interpret = interpret_params(implementation)
+@dataclasses.dataclass(frozen=True)
+class _MosaicOut:
+    """The Mosaic kernels' forward as a hashable callable (a static argument of the VJP)."""
+    implementation: str
+    config: object
+
+    def __call__(self, q, k, v, block_ids, q_positions, bias, block_size):
+        interpret = interpret_params(self.implementation)
         if q.shape[1] > 1:
             from .prefill import sparse_prefill_attention
 
@@ -83,8 +93,18 @@ def _mosaic(implementation):
         from .decode import sparse_decode_attention
 
         out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
-                                      q_positions[:, 0].astype(jnp.int32), config=config, interpret=interpret)
+                                      q_positions[:, 0].astype(jnp.int32), config=self.config, interpret=interpret)
         return out[:, None]
+
+
+def _mosaic(implementation):
+    def run(q, k, v, block_ids, q_positions, *, block_size, bias, config):
+        check_qkv(q, k, v, q_positions)
+        check_block_ids(q, k, block_ids)
+        _mosaic_support(implementation, q, k, v, block_size, bias)
+        # the kernels return no lse: under differentiation it comes from the jnp reference
+        forward = lse_by_reference(_MosaicOut(implementation, config))
+        return differentiable(forward, q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
     return run
 
 
@@ -107,6 +127,7 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
     the first of DEFAULT_ORDER that supports the inputs.
     config: the Mosaic decode kernel's tuning, `decode.DecodeConfig` (Tq == 1); None: its
     defaults. Ignored by "xla". The prefill kernel has none.
+    Differentiable in q, k, v and bias (custom VJP, the jnp backward whatever the backend).
     Raises ValueError for block_size < 1, ids out of range, mismatched shapes or a config with
     Tq > 1 (any backend); NotImplementedError if the named backend cannot run the inputs.
     """

@@ -13,9 +13,11 @@ A Mosaic backend raises NotImplementedError for inputs outside that envelope, so
 back to "xla" there.
 
 Every backend of `sparse_attention` is differentiable in q, k, v and bias through one custom
-VJP (`vjp.py`): the backend's forward, then the memory-bounded jnp backward
-(`reference.sparse_attention_backward_reference`); the Mosaic kernels return no lse, so under
-differentiation the jnp reference computes it. `paged_sparse_attention` has no custom VJP.
+VJP (`vjp.py`) with residuals (q, k, v, ids, positions, bias, out, lse): "xla" runs the
+memory-bounded jnp backward (`reference.sparse_attention_backward_reference`); the Mosaic
+backends run the Mosaic backward kernels (`prefill_backward.py`) for Tq > 1 and the jnp backward
+for decode. The Mosaic forward kernels return no lse, so under differentiation the jnp reference
+computes it. `paged_sparse_attention` has no custom VJP.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import numpy as np
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
 from ..dense_attention.reference import check_qkv
-from .reference import check_block_ids, paged_sparse_attention_reference
+from .reference import check_block_ids, paged_sparse_attention_reference, sparse_attention_backward_reference
 from .vjp import REFERENCE_FORWARD, differentiable, lse_by_reference
 
 __all__ = ["sparse_attention", "paged_sparse_attention", "BACKENDS", "PAGED_BACKENDS", "DEFAULT_ORDER"]
@@ -97,13 +99,29 @@ class _MosaicOut:
         return out[:, None]
 
 
+@dataclasses.dataclass(frozen=True)
+class _MosaicBackward:
+    """The Mosaic backward kernels (`prefill_backward.py`) for Tq > 1; the jnp backward for decode."""
+    implementation: str
+
+    def __call__(self, q, k, v, block_ids, q_positions, bias, out, lse, dout, block_size):
+        if q.shape[1] == 1:
+            return sparse_attention_backward_reference(q, k, v, block_ids, q_positions, out, lse, dout,
+                                                       block_size=block_size, bias=bias)
+        from .prefill_backward import sparse_prefill_attention_backward
+
+        return sparse_prefill_attention_backward(q, k, v, block_ids, q_positions.astype(jnp.int32), out, lse,
+                                                 dout.astype(q.dtype), bias=bias,
+                                                 interpret=interpret_params(self.implementation))
+
+
 def _mosaic(implementation):
     def run(q, k, v, block_ids, q_positions, *, block_size, bias, config):
         check_qkv(q, k, v, q_positions)
         check_block_ids(q, k, block_ids)
         _mosaic_support(implementation, q, k, v, block_size, bias)
         # the kernels return no lse: under differentiation it comes from the jnp reference
-        forward = lse_by_reference(_MosaicOut(implementation, config))
+        forward = lse_by_reference(_MosaicOut(implementation, config), _MosaicBackward(implementation))
         return differentiable(forward, q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
     return run
 
@@ -127,7 +145,7 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
     the first of DEFAULT_ORDER that supports the inputs.
     config: the Mosaic decode kernel's tuning, `decode.DecodeConfig` (Tq == 1); None: its
     defaults. Ignored by "xla". The prefill kernel has none.
-    Differentiable in q, k, v and bias (custom VJP, the jnp backward whatever the backend).
+    Differentiable in q, k, v and bias (custom VJP; the backward of the backend, module docstring).
     Raises ValueError for block_size < 1, ids out of range, mismatched shapes or a config with
     Tq > 1 (any backend); NotImplementedError if the named backend cannot run the inputs.
     """

@@ -1,6 +1,7 @@
-"""The Mosaic GPU block-sparse prefill backward kernels against the jnp backward: the transposed
-metadata against plain numpy, the kernels in interpret mode on the CPU, the Hopper lowering on
-the CPU, and compiled on the GPU."""
+"""The Mosaic GPU block-sparse prefill backward kernels against the jnp backward (and the
+forward kernel's lse against the reference's): the transposed metadata against plain numpy,
+the kernels in interpret mode on the CPU, the Hopper lowering on the CPU, and compiled on the
+GPU."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from kernel_base import INTERPRET, PLAIN_ERROR_FLOOR, ROUNDED_P_FACTOR, gpu, lower_for_hopper, rel_error
 from test_kernel_prefill import _case
 
-from sparda_jax.ops.sparse_attention.prefill import build_prefill_meta
+from sparda_jax.ops.sparse_attention.prefill import build_prefill_meta, sparse_prefill_attention
 from sparda_jax.ops.sparse_attention.prefill_backward import build_transposed_meta, sparse_prefill_attention_backward
 from sparda_jax.ops.sparse_attention.reference import (sparse_attention_backward_reference,
                                                        sparse_attention_reference_with_lse)
@@ -41,12 +42,30 @@ def test_transposed_meta_lists_the_tiles_of_each_block():
     assert int(tm.offsets[0, 0, -1]) == 0
 
 
-def _grads_case(seed, g, d, dtype, *, bias, **kw):
+def _grads_case(seed, g, d, dtype, *, bias, kernel_forward=None, **kw):
+    """kernel_forward: "interpret" or "compiled": out and lse from the prefill kernel so run;
+    None: from the jnp reference."""
     q, k, v, ids, pos, cis = _case(seed, g, d, dtype, bias=bias, **kw)
     ids = ids.at[:, :, 7, 1:].set(ids[:, :, 7, :1])                   # query 7: one block repeated
-    out, lse = sparse_attention_reference_with_lse(q, k, v, ids, pos, bias=cis)
+    if kernel_forward:
+        fwd = functools.partial(sparse_prefill_attention, bias=cis, return_lse=True,
+                                interpret=INTERPRET if kernel_forward == "interpret" else None)
+        out, lse = jax.jit(fwd)(q, k, v, ids, pos)
+    else:
+        out, lse = sparse_attention_reference_with_lse(q, k, v, ids, pos, bias=cis)
     dout = jnp.asarray(np.random.default_rng(seed + 1).standard_normal(q.shape), dtype)
     return q, k, v, ids, pos, cis, out, lse, dout
+
+
+def _check_lse(q, k, v, ids, pos, cis, out, lse, dout):
+    """The forward kernel's lse against the f32 reference's: f32 logits of the same rounded
+    inputs, approximate exp2/log2 (approx_math) ~1e-6 relative. Query 3 selects nothing."""
+    f32 = lambda x: x.astype(jnp.float32)
+    want = sparse_attention_reference_with_lse(f32(q), f32(k), f32(v), ids, pos, bias=cis)[1]
+    assert np.isneginf(np.asarray(lse[:, 3])).all()
+    got, want = np.delete(np.asarray(lse), 3, axis=1), np.delete(np.asarray(want), 3, axis=1)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 def _check_grads(got, q, k, v, ids, pos, cis, out, lse, dout):
@@ -73,8 +92,9 @@ def test_interpret_matches_the_jnp_backward():
     one with a repeated block (7), with bias, f16, G = 16 (4 tokens per tile). G = 3 (padded
     to 4), bf16, head dim 128 without bias runs through the VJP in test_sparse_attention_grad."""
     g, d, dtype = 16, 64, jnp.float16
-    args = _grads_case(g + d, g, d, dtype, bias=True, kh=1, t=20, s=200, n=3)
+    args = _grads_case(g + d, g, d, dtype, bias=True, kh=1, t=20, s=200, n=3, kernel_forward="interpret")
     q, k, v, ids, pos, cis, out, lse, dout = args
+    _check_lse(*args)
     f = jax.jit(functools.partial(sparse_prefill_attention_backward, bias=cis, interpret=INTERPRET))
     got = f(q, k, v, ids, pos, out, lse, dout)
     _check_grads(got, *args)
@@ -83,9 +103,10 @@ def test_interpret_matches_the_jnp_backward():
 
 def test_gpu_form_lowers_for_hopper():
     """The compiled form (A operands from registers, accumulators in place) through the Mosaic
-    GPU lowering for sm_90 on the CPU."""
+    GPU lowering for sm_90 on the CPU; the forward with its lse output too."""
     q, k, v, ids, pos, cis, out, lse, dout = _grads_case(0, 16, 128, jnp.bfloat16, bias=True, t=70, s=256, n=3)
     lower_for_hopper(functools.partial(sparse_prefill_attention_backward, bias=cis), q, k, v, ids, pos, out, lse, dout)
+    lower_for_hopper(functools.partial(sparse_prefill_attention, bias=cis, return_lse=True), q, k, v, ids, pos)
 
 
 def test_rejects_mismatched_residuals():
@@ -99,7 +120,8 @@ def test_rejects_mismatched_residuals():
 @gpu
 @pytest.mark.parametrize("g,d,bias", [(16, 128, True), (3, 64, False)])
 def test_compiled_matches_the_jnp_backward(g, d, bias):
-    args = _grads_case(g + d, g, d, jnp.bfloat16, bias=bias, t=300, s=1000, n=6)
+    args = _grads_case(g + d, g, d, jnp.bfloat16, bias=bias, t=300, s=1000, n=6, kernel_forward="compiled")
     q, k, v, ids, pos, cis, out, lse, dout = args
+    _check_lse(*args)
     got = jax.jit(functools.partial(sparse_prefill_attention_backward, bias=cis))(q, k, v, ids, pos, out, lse, dout)
     _check_grads(got, *args)

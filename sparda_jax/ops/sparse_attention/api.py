@@ -15,9 +15,9 @@ back to "xla" there.
 Every backend of `sparse_attention` is differentiable in q, k, v and bias through one custom
 VJP (`vjp.py`) with residuals (q, k, v, ids, positions, bias, out, lse): "xla" runs the
 memory-bounded jnp backward (`reference.sparse_attention_backward_reference`); the Mosaic
-backends run the Mosaic backward kernels (`prefill_backward.py`) for Tq > 1 and the jnp backward
-for decode. The Mosaic forward kernels return no lse, so under differentiation the jnp reference
-computes it. `paged_sparse_attention` has no custom VJP.
+backends run the Mosaic backward kernels (`prefill_backward.py`) for Tq > 1, with the lse that
+the prefill kernel returns, and for decode the jnp backward with the jnp reference's lse.
+`paged_sparse_attention` has no custom VJP.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import numpy as np
 from .._dispatch import Registry, hopper_gpu, interpret_params
 from ..dense_attention.reference import check_qkv
 from .reference import check_block_ids, paged_sparse_attention_reference, sparse_attention_backward_reference
-from .vjp import REFERENCE_FORWARD, differentiable, lse_by_reference
+from .vjp import REFERENCE_FORWARD, Forward, differentiable
 
 __all__ = ["sparse_attention", "paged_sparse_attention", "BACKENDS", "PAGED_BACKENDS", "DEFAULT_ORDER"]
 
@@ -81,9 +81,11 @@ def _xla(q, k, v, block_ids, q_positions, *, block_size, bias, config):
 
 @dataclasses.dataclass(frozen=True)
 class _MosaicOut:
-    """The Mosaic kernels' forward as a hashable callable (a static argument of the VJP)."""
+    """The Mosaic kernels' forward as a hashable callable (a static argument of the VJP):
+    out, or with_lse (out, lse): the prefill kernel's own lse, the jnp reference's for decode."""
     implementation: str
     config: object
+    with_lse: bool = False
 
     def __call__(self, q, k, v, block_ids, q_positions, bias, block_size):
         interpret = interpret_params(self.implementation)
@@ -91,12 +93,15 @@ class _MosaicOut:
             from .prefill import sparse_prefill_attention
 
             return sparse_prefill_attention(q, k, v, block_ids, q_positions.astype(jnp.int32), bias=bias,
-                                            interpret=interpret)
+                                            interpret=interpret, return_lse=self.with_lse)
         from .decode import sparse_decode_attention
 
         out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
-                                      q_positions[:, 0].astype(jnp.int32), config=self.config, interpret=interpret)
-        return out[:, None]
+                                      q_positions[:, 0].astype(jnp.int32), config=self.config,
+                                      interpret=interpret)[:, None]
+        if not self.with_lse:
+            return out
+        return out, REFERENCE_FORWARD.out_and_lse(q, k, v, block_ids, q_positions, bias, block_size)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,8 +125,8 @@ def _mosaic(implementation):
         check_qkv(q, k, v, q_positions)
         check_block_ids(q, k, block_ids)
         _mosaic_support(implementation, q, k, v, block_size, bias)
-        # the kernels return no lse: under differentiation it comes from the jnp reference
-        forward = lse_by_reference(_MosaicOut(implementation, config), _MosaicBackward(implementation))
+        forward = Forward(_MosaicOut(implementation, config), _MosaicOut(implementation, config, with_lse=True),
+                          _MosaicBackward(implementation))
         return differentiable(forward, q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
     return run
 

@@ -3,9 +3,9 @@
 `differentiable(forward, ...)` wraps a backend's forward in a `jax.custom_vjp` whose residuals
 are (q, k, v, block_ids, q_positions, bias, out, lse) and whose backward is the backend's
 (`Forward.backward`) or by default `reference.sparse_attention_backward_reference` (memory
-O(chunk * selected keys), never [Tq, S]). A `Forward` names how the backend makes `out` and
-how it makes `lse` under differentiation: the jnp reference returns both from one pass; a
-kernel that returns no lse gets it from the jnp reference's lse pass (`lse_by_reference`).
+O(chunk * selected keys), never [Tq, S]). A `Forward` names how the backend makes `out`, and
+`out` with `lse` under differentiation (the jnp reference and the Mosaic prefill kernel return
+both from one pass).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import NamedTuple
 
 import jax
 
-from .reference import sparse_attention_backward_reference, sparse_attention_reference_with_lse
+from .reference import (sparse_attention_backward_reference, sparse_attention_reference,
+                        sparse_attention_reference_with_lse)
 
-__all__ = ["Forward", "differentiable", "lse_by_reference", "REFERENCE_FORWARD"]
+__all__ = ["Forward", "differentiable", "REFERENCE_FORWARD"]
 
 
 class Forward(NamedTuple):
@@ -41,20 +42,10 @@ def _reference_out_and_lse(q, k, v, block_ids, q_positions, bias, block_size):
 
 
 def _reference_out(q, k, v, block_ids, q_positions, bias, block_size):
-    return _reference_out_and_lse(q, k, v, block_ids, q_positions, bias, block_size)[0]
+    return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
 
 
 REFERENCE_FORWARD = Forward(_reference_out, _reference_out_and_lse)
-
-
-@functools.cache
-def lse_by_reference(out: Callable, backward: Callable | None = None) -> Forward:
-    """A Forward for a backend whose forward returns no lse: out from the backend, lse from the
-    jnp reference (its output einsum is dead code under jit and dropped)."""
-    def out_and_lse(q, k, v, block_ids, q_positions, bias, block_size):
-        return (out(q, k, v, block_ids, q_positions, bias, block_size),
-                _reference_out_and_lse(q, k, v, block_ids, q_positions, bias, block_size)[1])
-    return Forward(out, out_and_lse, backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))

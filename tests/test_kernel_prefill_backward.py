@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_base import INTERPRET, PLAIN_ERROR_FLOOR, ROUNDED_P_FACTOR, gpu, lower_for_hopper, rel_error
+from kernel_base import (INTERPRET, PLAIN_ERROR_FLOOR, ROUNDED_P_FACTOR, gpu, interpret, lower_for_hopper,
+                         rel_error)
 from test_kernel_prefill import _case
 
 from sparda_jax.ops.sparse_attention.prefill import build_prefill_meta, sparse_prefill_attention
@@ -87,16 +88,21 @@ def _check_grads(got, q, k, v, ids, pos, cis, out, lse, dout):
         assert err <= ROUNDED_P_FACTOR * max(base, PLAIN_ERROR_FLOOR), (name, err, base)
 
 
-def test_interpret_matches_the_jnp_backward():
-    """Ragged offsets (T and S not multiples of 64), -1 padding, a query with no block (3) and
-    one with a repeated block (7), with bias, f16, G = 16 (4 tokens per tile). G = 3 (padded
-    to 4), bf16, head dim 128 without bias runs through the VJP in test_sparse_attention_grad."""
-    g, d, dtype = 16, 64, jnp.float16
-    args = _grads_case(g + d, g, d, dtype, bias=True, kh=1, t=20, s=200, n=3, kernel_forward="interpret")
+def test_interpret_matches_the_jnp_backward_without_races():
+    """Both kernels in interpret mode, under the race detector (the barrier protocol of their
+    double buffers), fed the forward kernel's out and lse, against the jnp backward. Ragged
+    offsets (T and S not multiples of 64, two sequence lengths), -1 padding, a query with no
+    block (3) and one with a repeated block (7), f16, bias, G = 16 (4 tokens per tile). G = 3
+    (padded to 4), bf16, head dim 128 without bias runs through the VJP in
+    test_sparse_attention_grad."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+
+    args = _grads_case(80, 16, 64, jnp.float16, bias=True, kh=1, t=12, s=200, n=3, kernel_forward="interpret")
     q, k, v, ids, pos, cis, out, lse, dout = args
     _check_lse(*args)
-    f = jax.jit(functools.partial(sparse_prefill_attention_backward, bias=cis, interpret=INTERPRET))
-    got = f(q, k, v, ids, pos, out, lse, dout)
+    f = functools.partial(sparse_prefill_attention_backward, bias=cis, interpret=interpret(detect_races=True))
+    got = jax.jit(f)(q, k, v, ids, pos, out, lse, dout)
+    assert not gpu_callbacks.get_races().races_found
     _check_grads(got, *args)
     assert (np.asarray(got[0][:, 3], np.float32) == 0).all()          # query 3 saw nothing
 

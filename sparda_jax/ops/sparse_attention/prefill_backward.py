@@ -182,11 +182,10 @@ def _dq_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, meta, pos, *, gp, a_via_
     )(*args)
 
 
-def _dkv_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, tmeta, pos, *, gp, a_via_smem, acc_in_place, interpret):
+def _dkv_kernel(q_r, do_r, lse_r, delta_r, pos_r, k, v, bias_r, tmeta, *, gp, a_via_smem, acc_in_place, interpret):
     b_, kh, _, d = q_r.shape
     sp = k.shape[1]
     nb = sp // BS
-    tile_tok = ROWS // gp
     dtype = q_r.dtype
     scale = 1.0 / math.sqrt(d)
     scale_log2 = LOG2E * scale
@@ -195,13 +194,13 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, tmeta, pos, *, gp, a_vi
 
     def kernel(*refs):
         if has_bias:
-            (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_ref, tile_ref, bit_ref, off_ref, pos_ref,
+            (q_ref, do_ref, lse_ref, delta_ref, pos_ref, k_ref, v_ref, bias_ref, tile_ref, bit_ref, off_ref,
              dk_ref, dv_ref, db_ref,
-             k_smem, v_smem, b_smem, q_smem, do_smem, lse_smem, delta_smem, a_smem, kv_bar, q_bar) = refs
+             k_smem, v_smem, b_smem, q_smem, do_smem, lse_smem, delta_smem, pos_smem, a_smem, kv_bar, q_bar) = refs
         else:
-            (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, tile_ref, bit_ref, off_ref, pos_ref,
+            (q_ref, do_ref, lse_ref, delta_ref, pos_ref, k_ref, v_ref, tile_ref, bit_ref, off_ref,
              dk_ref, dv_ref,
-             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, a_smem, kv_bar, q_bar) = refs
+             k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pos_smem, a_smem, kv_bar, q_bar) = refs
         b, h, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
         first, n_tiles = off_ref[b, h, j], off_ref[b, h, j + 1] - off_ref[b, h, j]
         keys = pl.ds(pl.multiple_of(j * BS, BS), BS)
@@ -216,19 +215,15 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, tmeta, pos, *, gp, a_vi
             plgpu.copy_gmem_to_smem(do_ref.at[b, h, rows], do_smem.at[slot], q_bar.at[slot])
             plgpu.copy_gmem_to_smem(lse_ref.at[b, h, rows], lse_smem.at[slot], q_bar.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem.at[slot], q_bar.at[slot])
+            plgpu.copy_gmem_to_smem(pos_ref.at[b, h, rows], pos_smem.at[slot], q_bar.at[slot])
 
         @pl.when(n_tiles > 0)
         def _():
             fetch(0, 0)
 
         plgpu.barrier_wait(kv_bar)
-        key_row = plgpu.broadcasted_iota(jnp.int32, (BS, ROWS), 0, layout=plgpu.Layout.WGMMA) + j * BS
-        col = plgpu.broadcasted_iota(jnp.int32, (BS, ROWS), 1, layout=plgpu.Layout.WGMMA)
-        col_tok = col // gp                                 # the query token of each column
-        bias_row = None
-        if has_bias:
-            bias_row = lax.broadcast_in_dim(plgpu.load(b_smem, layout=plgpu.Layout.WGMMA.reduce(1)),
-                                            (BS, ROWS), [0])
+        # the token (inside its tile) of each column: a (64,) vector in the column layout
+        col_tok = plgpu.broadcasted_iota(jnp.int32, (ROWS,), 0, layout=col_l) // gp
 
         def step(e, carry):
             dk, dv, db = carry
@@ -238,15 +233,16 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, tmeta, pos, *, gp, a_vi
             def _():
                 fetch(e + 1, 1 - slot)
             plgpu.barrier_wait(q_bar.at[slot])
-            tt, bits = tile_ref[b, h, first + e], bit_ref[b, h, first + e]
-            pos = jnp.full_like(col, -1)
-            for i in range(tile_tok):
-                pos = jnp.where(col_tok == i, pos_ref[b, tt * tile_tok + i], pos)
+            bits = bit_ref[b, h, first + e]
             picked = (lax.shift_right_logical(bits, col_tok) & 1) == 1
-            visible = picked & (key_row <= pos)
+            # last visible key offset inside this block per column; -1: none
+            last = jnp.where(picked, plgpu.load(pos_smem.at[slot], layout=col_l) - j * BS, -1)
+            key = plgpu.broadcasted_iota(jnp.int32, (BS, ROWS), 0, layout=plgpu.Layout.WGMMA)
+            visible = key <= lax.broadcast_in_dim(last, (BS, ROWS), [1])
             st = _mm(k_smem, q_smem.at[slot].T) * scale_log2          # S^T: keys x query rows
             if has_bias:
-                st = st + bias_row
+                st = st + lax.broadcast_in_dim(plgpu.load(b_smem, layout=plgpu.Layout.WGMMA.reduce(1)),
+                                               (BS, ROWS), [0])
             lse = lax.broadcast_in_dim(plgpu.load(lse_smem.at[slot], layout=col_l), (BS, ROWS), [1])
             delta = lax.broadcast_in_dim(plgpu.load(delta_smem.at[slot], layout=col_l), (BS, ROWS), [1])
             pt = jnp.where(visible, jnp.exp2(st - lse), 0.0)
@@ -273,16 +269,17 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, tmeta, pos, *, gp, a_vi
             plgpu.copy_smem_to_gmem(b_smem, db_ref.at[b, h, keys])
         plgpu.wait_smem_to_gmem(0)
 
-    args = (q_r, do_r, lse_r, delta_r, k, v) + ((bias_r,) if has_bias else ()) + (
-        tmeta.tiles, tmeta.bits, tmeta.offsets, pos)
+    args = (q_r, do_r, lse_r, delta_r, pos_r, k, v) + ((bias_r,) if has_bias else ()) + (
+        tmeta.tiles, tmeta.bits, tmeta.offsets)
     scratch = [plgpu.SMEM((BS, d), dtype, transforms=MMA_T), plgpu.SMEM((BS, d), dtype, transforms=MMA_T)]
     if has_bias:
         scratch.append(plgpu.SMEM((BS,), jnp.float32))
     scratch += [plgpu.SMEM((2, ROWS, d), dtype, transforms=MMA_T), plgpu.SMEM((2, ROWS, d), dtype, transforms=MMA_T),
                 plgpu.SMEM((2, ROWS), jnp.float32), plgpu.SMEM((2, ROWS), jnp.float32),
+                plgpu.SMEM((2, ROWS), jnp.int32),
                 plgpu.SMEM((BS, ROWS) if a_via_smem else (8, ROWS), dtype, transforms=MMA_T),
                 plgpu.Barrier(num_arrivals=3 if has_bias else 2),
-                plgpu.Barrier(num_arrivals=4, num_barriers=2)]
+                plgpu.Barrier(num_arrivals=5, num_barriers=2)]
     out_type = [jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)]
     if has_bias:
         out_type.append(jax.ShapeDtypeStruct(bias_r.shape, jnp.float32))
@@ -355,7 +352,8 @@ def sparse_prefill_attention_backward(q, k, v, block_ids, q_positions, out, lse,
     bias_r = None if bias is None else jnp.transpose(bias.astype(jnp.float32) * LOG2E, (0, 2, 1))
     kw = dict(gp=gp, a_via_smem=a_via_smem, acc_in_place=acc_in_place, interpret=interpret)
     dq_r = _dq_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, meta, pos, **kw)
-    res = _dkv_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, tmeta, pos, **kw)
+    pos_r = jnp.broadcast_to(pos[:, None, :, None], (b, kh, tp, gp)).reshape(b, kh, tp * gp)  # each row's position
+    res = _dkv_kernel(q_r, do_r, lse_r, delta_r, pos_r, k, v, bias_r, tmeta, **kw)
     dq = dq_r.reshape(b, kh, tp, gp, d)[:, :, :t, :g].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
     dk, dv = res[0][:, :s], res[1][:, :s]
     dbias = None if bias is None else jnp.transpose(res[2], (0, 2, 1))[:, :s]

@@ -11,9 +11,20 @@ Backends (default order "mosaic_gpu", "xla"):
                          any head dim that is a multiple of 64.
 A Mosaic backend raises NotImplementedError for inputs outside that envelope, so None falls
 back to "xla" there.
+
+Every backend of `sparse_attention` is differentiable in q, k, v and bias through one custom
+VJP (`vjp.py`) with residuals (q, k, v, ids, positions, bias, out, lse): "xla" runs the
+memory-bounded jnp backward (`reference.sparse_attention_backward_reference`); the Mosaic
+backends take the lse that the prefill kernel returns (Tq > 1) or the jnp reference's (decode),
+and "mosaic_gpu_interpret" runs the Mosaic backward kernels (`prefill_backward.py`) for Tq > 1,
+"mosaic_gpu" the jnp backward until COMPILED_BACKWARD_KERNELS is set (their GPU tests), decode
+the jnp backward.
+`paged_sparse_attention` has no custom VJP.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +32,8 @@ import numpy as np
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
 from ..dense_attention.reference import check_qkv
-from .reference import check_block_ids, paged_sparse_attention_reference, sparse_attention_reference
+from .reference import check_block_ids, paged_sparse_attention_reference, sparse_attention_backward_reference
+from .vjp import REFERENCE_FORWARD, Forward, differentiable
 
 __all__ = ["sparse_attention", "paged_sparse_attention", "BACKENDS", "PAGED_BACKENDS", "DEFAULT_ORDER"]
 
@@ -66,7 +78,54 @@ def _check_ids_below(ids, bound: int, what: str) -> None:
 
 @BACKENDS.register("xla")
 def _xla(q, k, v, block_ids, q_positions, *, block_size, bias, config):
-    return sparse_attention_reference(q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
+    return differentiable(REFERENCE_FORWARD, q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MosaicOut:
+    """The Mosaic kernels' forward as a hashable callable (a static argument of the VJP):
+    out, or with_lse (out, lse): the prefill kernel's own lse, the jnp reference's for decode."""
+    implementation: str
+    config: object
+    with_lse: bool = False
+
+    def __call__(self, q, k, v, block_ids, q_positions, bias, block_size):
+        interpret = interpret_params(self.implementation)
+        if q.shape[1] > 1:
+            from .prefill import sparse_prefill_attention
+
+            return sparse_prefill_attention(q, k, v, block_ids, q_positions.astype(jnp.int32), bias=bias,
+                                            interpret=interpret, return_lse=self.with_lse)
+        from .decode import sparse_decode_attention
+
+        out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
+                                      q_positions[:, 0].astype(jnp.int32), config=self.config,
+                                      interpret=interpret)[:, None]
+        if not self.with_lse:
+            return out
+        return out, REFERENCE_FORWARD.out_and_lse(q, k, v, block_ids, q_positions, bias, block_size)[1]
+
+
+# The compiled backward kernels are taken once their GPU tests (tests/test_kernel_prefill_backward.py,
+# marked gpu) pass on a Hopper GPU; until then "mosaic_gpu" differentiates with the jnp backward.
+COMPILED_BACKWARD_KERNELS = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _MosaicBackward:
+    """The Mosaic backward kernels (`prefill_backward.py`) for Tq > 1; the jnp backward for decode
+    (and for compiled "mosaic_gpu" while COMPILED_BACKWARD_KERNELS is False)."""
+    implementation: str
+
+    def __call__(self, q, k, v, block_ids, q_positions, bias, out, lse, dout, block_size):
+        if q.shape[1] == 1 or (self.implementation == "mosaic_gpu" and not COMPILED_BACKWARD_KERNELS):
+            return sparse_attention_backward_reference(q, k, v, block_ids, q_positions, out, lse, dout,
+                                                       block_size=block_size, bias=bias)
+        from .prefill_backward import sparse_prefill_attention_backward
+
+        return sparse_prefill_attention_backward(q, k, v, block_ids, q_positions.astype(jnp.int32), out, lse,
+                                                 dout.astype(q.dtype), bias=bias,
+                                                 interpret=interpret_params(self.implementation))
 
 
 def _mosaic(implementation):
@@ -74,17 +133,9 @@ def _mosaic(implementation):
         check_qkv(q, k, v, q_positions)
         check_block_ids(q, k, block_ids)
         _mosaic_support(implementation, q, k, v, block_size, bias)
-        interpret = interpret_params(implementation)
-        if q.shape[1] > 1:
-            from .prefill import sparse_prefill_attention
-
-            return sparse_prefill_attention(q, k, v, block_ids, q_positions.astype(jnp.int32), bias=bias,
-                                            interpret=interpret)
-        from .decode import sparse_decode_attention
-
-        out = sparse_decode_attention(q[:, 0], k, v, block_ids[:, :, 0].astype(jnp.int32),
-                                      q_positions[:, 0].astype(jnp.int32), config=config, interpret=interpret)
-        return out[:, None]
+        forward = Forward(_MosaicOut(implementation, config), _MosaicOut(implementation, config, with_lse=True),
+                          _MosaicBackward(implementation))
+        return differentiable(forward, q, k, v, block_ids, q_positions, block_size=block_size, bias=bias)
     return run
 
 
@@ -107,6 +158,7 @@ def sparse_attention(q, k, v, block_ids, q_positions, *, block_size: int = 64, b
     the first of DEFAULT_ORDER that supports the inputs.
     config: the Mosaic decode kernel's tuning, `decode.DecodeConfig` (Tq == 1); None: its
     defaults. Ignored by "xla". The prefill kernel has none.
+    Differentiable in q, k, v and bias (custom VJP; the backward of the backend, module docstring).
     Raises ValueError for block_size < 1, ids out of range, mismatched shapes or a config with
     Tq > 1 (any backend); NotImplementedError if the named backend cannot run the inputs.
     """

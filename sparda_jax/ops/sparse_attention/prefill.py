@@ -211,7 +211,7 @@ def _normalize(acc, l_i, dtype):
     return (acc / lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(dtype)
 
 
-def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret):
+def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, interpret, with_lse=False):
     """One warpgroup of 64 rows per CTA; K/V (and bias) double-buffered by TMA in a fori_loop."""
     b_, kh, _, d = q_r.shape
     nt = meta.n_union.shape[2]
@@ -221,6 +221,11 @@ def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, inte
     has_bias = bias_r is not None
 
     def kernel(*refs):
+        lse_ref = lse_smem = None
+        if with_lse:                                        # the lse output and its SMEM buffer
+            refs = list(refs)
+            lse_smem = refs.pop()
+            lse_ref = refs.pop(9 if has_bias else 8)   # after the inputs and o
         if has_bias:
             (q_ref, k_ref, v_ref, bias_ref, uid_ref, ubit_ref, nu_ref, pos_ref, o_ref,
              q_smem, k_smem, v_smem, b_smem, p_smem, q_bar, kv_bar) = refs
@@ -265,10 +270,14 @@ def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, inte
                       acc_in_place=acc_in_place, dtype=dtype)
             return acc, m_i, l_i
 
-        acc, _, l_i = lax.fori_loop(0, nu, step, _init_carry(d))   # traced trip count
+        acc, m_i, l_i = lax.fori_loop(0, nu, step, _init_carry(d))   # traced trip count
         q_smem[...] = _normalize(acc, l_i, dtype)          # o leaves through q's buffer
+        if with_lse:                                        # log2 units; -inf: nothing visible
+            lse_smem[...] = m_i + jnp.log2(l_i)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(q_smem, o_ref.at[b, h, rows])
+        if with_lse:
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, rows])
         plgpu.wait_smem_to_gmem(0)
 
     args = (q_r, k, v) + ((bias_r,) if has_bias else ()) + (meta.uids, meta.ubits, meta.n_union, pos)
@@ -280,9 +289,13 @@ def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, inte
     scratch += [plgpu.SMEM((ROWS, BS) if p_via_smem else (8, BS), dtype, transforms=MMA_T),  # P
                 plgpu.Barrier(),
                 plgpu.Barrier(num_arrivals=3 if has_bias else 2, num_barriers=2)]
+    out_type = jax.ShapeDtypeStruct(q_r.shape, dtype)
+    if with_lse:
+        scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
+        out_type = (out_type, jax.ShapeDtypeStruct(q_r.shape[:3], jnp.float32))
     return plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct(q_r.shape, dtype),
+        out_type=out_type,
         grid=(b_, kh, nt), grid_names=("b", "h", "t"),
         scratch_types=tuple(scratch),
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -319,10 +332,12 @@ def _check(q, k, v, block_ids, q_positions, bias):
 
 def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
                              meta: PrefillMeta | None = None, p_via_smem: bool | None = None,
-                             acc_in_place: bool | None = None):
+                             acc_in_place: bool | None = None, return_lse: bool = False):
     """q [B, T, H, D]; k, v [B, S, K, D]; block_ids int [B, K, T, n] (64-token blocks; -1 =
     none; any order, repeats allowed); q_positions int [B, T]; bias optional float [B, S, K]
     added to each key's logit. -> [B, T, H, D] in q.dtype; a query with no visible key gets zeros.
+    return_lse: also return lse [B, T, H] float32, the natural log-sum-exp of each query head's
+    visible logits (-inf where none is visible), the backward's residual.
 
     interpret: None (compiled, GPU), True or a plgpu.InterpretGPUParams (CPU interpreter).
     meta: a precomputed `build_prefill_meta(block_ids padded to the tile, tile_tokens_for(G),
@@ -359,10 +374,14 @@ def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, inte
     bias_r = None
     if bias is not None:                                    # [B, K, S] rows, log2 units
         bias_r = jnp.transpose(bias.astype(jnp.float32) * LOG2E, (0, 2, 1))
-    o_r = _prefill(q_r, k, v, bias_r, meta, pos, gp=gp, p_via_smem=p_via_smem, acc_in_place=acc_in_place,
-                   interpret=interpret)
-    o = o_r.reshape(b, kh, tp, gp, d)[:, :, :t, :g].transpose(0, 2, 1, 3, 4)
-    return o.reshape(b, t, h, d)
+    res = _prefill(q_r, k, v, bias_r, meta, pos, gp=gp, p_via_smem=p_via_smem, acc_in_place=acc_in_place,
+                   interpret=interpret, with_lse=return_lse)
+    o_r = res[0] if return_lse else res
+    o = o_r.reshape(b, kh, tp, gp, d)[:, :, :t, :g].transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    if not return_lse:
+        return o
+    lse = res[1].reshape(b, kh, tp, gp)[:, :, :t, :g].transpose(0, 2, 1, 3).reshape(b, t, h)
+    return o, lse / LOG2E
 
 
 def sparse_prefill_attention_reference(q, k, v, block_ids, q_positions, *, bias=None, interpret=None, meta=None,

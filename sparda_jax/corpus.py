@@ -40,7 +40,7 @@ import numpy as np
 __all__ = ["FORMAT", "SPLITS", "EVAL_SPLITS", "SourceSpec", "DEFAULT_SOURCES", "default_corpus_dir",
            "build_corpus", "load_split", "load_manifest", "split_documents", "corpus_info",
            "html_to_text", "pod_to_text", "man_to_text", "info_to_text", "prose_share",
-           "collect_documents", "Document"]
+           "collect_documents", "fetch_package", "Document"]
 
 FORMAT = "sparda-tokens/1"
 EVAL_SPLITS = ("eval-info", "eval-man", "eval-licenses")

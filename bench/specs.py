@@ -101,8 +101,8 @@ SPECS: tuple[Spec, ...] = (
          400, "the 8B model's Forecast training step at the paper's 64K"),
     # the budget counts from the command's start (load, calibration included); a cell started before it
     # ends (an offload system's cold compile included) well before the timeout
-    Spec("realmodel", "realmodel", ("bench", "realmodel", "--budget-s", "270", "--first-token", "dense_resident",
-                                    "sparda"), 570,
+    Spec("realmodel", "realmodel", ("bench", "realmodel", "--budget-s", "240", "--first-token", "dense_resident",
+                                    "sparda"), 540,
          "SmolLM2 through generate, 4K/8K x batch 1/8, every system: steady decode and prefill, the first call "
          "apart; SparDA / Dense+ steady decode at 4K batch 1; `sparda generate` cold and warm in fresh processes",
          needs_model=True),

@@ -13,13 +13,14 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 mkdir -p /root/model
-for p in .model/smol.part*; do [ -f "$p" ] && cp "$p" /root/model/; done
+for p in .model*/smol.part*; do if [ -f "$p" ]; then cp "$p" /root/model/; fi; done
 if [ -d .data ]; then  # a corpus's manifest.json and shards, possibly over several calls
   mkdir -p /root/data && cp -r .data/. /root/data/
   find /root/data -name '*.xz' -exec xz -d -f -T0 {} +
 fi
-# the GGUF travels as parts (smol.part00, 01, ...) with its sha256 (smol.sha256): joined once all are there
-if [ -f .model/smol.sha256 ]; then cp .model/smol.sha256 /root/model/; fi
+# the GGUF travels as parts (.model*/smol.part00, 01, ...: one folder per call) with its sha256
+# (smol.sha256): joined once all are there
+for p in .model*/smol.sha256; do if [ -f "$p" ]; then cp "$p" /root/model/; fi; done
 if [ -f /root/model/smol.sha256 ] && [ ! -f /root/model/smollm2.gguf ]; then
   cat /root/model/smol.part* > /root/model/joined.gguf
   if [ "$(sha256sum < /root/model/joined.gguf | cut -c1-64)" = "$(cut -c1-64 /root/model/smol.sha256)" ]; then

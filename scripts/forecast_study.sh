@@ -60,29 +60,26 @@ status() {
   nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader 2>/dev/null || true
 }
 
-evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (baselines once), side by side
+evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (baselines once), EVAL_JOBS at a time
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
   local sel="--suite selection --text $DATA --splits $splits --lengths 4096 8192 --seqs 4"
   local cpy="--suite copy --text $DATA --splits $splits --lengths 4096 8192 --samples 8"
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=$FRACTION
+  local jobs=$out/jobs.txt; : > "$jobs"
   if [ ! -f "$out/baselines_selection.json" ]; then
-    sparda eval $sel --modes dense sparse infinigen sparda --forecast random --out "$out/baselines_selection.json" \
-      >"$out/baselines_selection.log" 2>&1 &
-    sparda eval $cpy --modes dense sparse infinigen sparda --forecast random --out "$out/baselines_copy.json" \
-      >"$out/baselines_copy.log" 2>&1 &
+    echo "$sel --modes dense sparse infinigen sparda --forecast random --out $out/baselines_selection.json" >> "$jobs"
+    echo "$cpy --modes dense sparse infinigen sparda --forecast random --out $out/baselines_copy.json" >> "$jobs"
   fi
   for name in "$@"; do
     local f=$RUNS/$name/forecast.safetensors
     [ -f "$f" ] || { echo "no Forecast for $name yet"; continue; }
     cp "$f" "$out/$name.safetensors"  # the Forecast evaluated, even if its run goes on
-    sparda eval $sel --modes sparda --forecast "$out/$name.safetensors" --out "$out/${name}_selection.json" \
-      >"$out/${name}_selection.log" 2>&1 &
-    sparda eval $cpy --modes sparda --forecast "$out/$name.safetensors" --out "$out/${name}_copy.json" \
-      >"$out/${name}_copy.log" 2>&1 &
+    echo "$sel --modes sparda --forecast $out/$name.safetensors --out $out/${name}_selection.json" >> "$jobs"
+    echo "$cpy --modes sparda --forecast $out/$name.safetensors --out $out/${name}_copy.json" >> "$jobs"
   done
-  wait
-  ls "$out"/*.json
+  # one line per job; each job's log beside its JSON
+  XLA_PYTHON_CLIENT_MEM_FRACTION=${EVAL_FRACTION:-0.08} xargs -P "${EVAL_JOBS:-6}" -I{} \
+    sh -c 'set -- {}; o=$(echo "$@" | sed "s/.*--out \([^ ]*\).*/\1/"); sparda eval "$@" > "${o%.json}.log" 2>&1; echo "done $o ($?)"' < "$jobs"
 }
 
 collect() {  # at most 8 files of at most 16 MiB come back from a call: records in one archive
@@ -112,7 +109,14 @@ case "$phase" in
     fi
     start main "$MAIN_STEPS" ;;
   status) status ;;
-  wait) for n in "$@"; do while [ ! -f "$RUNS/$n/forecast.safetensors" ]; do sleep 5; done; echo "$n exported"; done ;;
+  wait)  # until each run has exported its Forecast, or its process is gone, or WAIT_S seconds
+    t_end=$(( $(date +%s) + ${WAIT_S:-600} ))
+    for n in "$@"; do
+      while [ ! -f "$RUNS/$n/forecast.safetensors" ] && pgrep -f "out $RUNS/$n " >/dev/null && [ "$(date +%s)" -lt "$t_end" ]; do
+        sleep 5
+      done
+      if [ -f "$RUNS/$n/forecast.safetensors" ]; then echo "$n exported"; else echo "$n: no Forecast (see $RUNS/$n/log)"; tail -n 3 "$RUNS/$n/log"; fi
+    done ;;
   eval) evaluate "$@" ;;
   collect) collect ;;
   *) sed -n '1,20p' "$0"; exit 2 ;;

@@ -5,7 +5,8 @@
   ppl     late-half perplexity within 1% of Sparse's (ratio <= 1.01) at 4096 and 8192 tokens
 
 Each check is made per split and, where there are several, over all splits pooled (copy NLL:
-mean over all sequences; recall: all hits over all rows; perplexity: token-weighted mean NLL).
+mean over all sequences; recall: all hits over all rows; perplexity: token-weighted mean NLL);
+a pooled ratio pools only the splits that both modes were measured on.
 Every row whose mode starts with "sparda" (trained or untrained) is checked.
 """
 
@@ -51,6 +52,12 @@ def _pool_ppl_late(rs: list[dict]) -> float:
     return math.exp(sum(wi * math.log(r["ppl_late"]) for wi, r in zip(w, rs)) / sum(w))
 
 
+def _common(mine: list[dict], ref: list[dict]) -> tuple[list[dict], list[dict]]:
+    """Both row lists cut to the splits both hold: a pooled ratio compares like with like."""
+    both = {_split(r) for r in mine} & {_split(r) for r in ref}
+    return [r for r in mine if _split(r) in both], [r for r in ref if _split(r) in both]
+
+
 def goal_checks(selection: dict | None = None, copy: dict | None = None, *, reference: str = "sparse") -> list[dict]:
     """The checks that the given results' rows allow, each a dict: goal, split, length, mode,
     value, reference (the reference mode's value, or None), target (text), passed."""
@@ -62,9 +69,10 @@ def goal_checks(selection: dict | None = None, copy: dict | None = None, *, refe
                 at = [r for r in rs if r["length"] == length]
                 ref = [r for r in at if r["mode"] == reference]
                 for mode in dict.fromkeys(r["mode"] for r in at if r["mode"].startswith("sparda")):
-                    if not ref:
+                    mine, ref_ = _common([r for r in at if r["mode"] == mode], ref)
+                    if not ref_:
                         continue
-                    v, b = _pool_copy([r for r in at if r["mode"] == mode]), _pool_copy(ref)
+                    v, b = _pool_copy(mine), _pool_copy(ref_)
                     checks.append({"goal": "copy NLL", "split": split, "length": length, "mode": mode, "value": v,
                                    "reference": b, "target": f"<= {COPY_NLL_RATIO:.2f} x {reference}",
                                    "passed": v <= COPY_NLL_RATIO * b})
@@ -81,8 +89,9 @@ def goal_checks(selection: dict | None = None, copy: dict | None = None, *, refe
                         checks.append({"goal": "recall", "split": split, "length": length, "mode": mode, "value": v,
                                        "reference": None, "target": f">= {RECALL_MIN[length]:.2f}",
                                        "passed": v >= RECALL_MIN[length]})
-                    if ref:
-                        v, b = _pool_ppl_late(mine), _pool_ppl_late(ref)
+                    mine_, ref_ = _common(mine, ref)
+                    if ref_:
+                        v, b = _pool_ppl_late(mine_), _pool_ppl_late(ref_)
                         checks.append({"goal": "late-half ppl", "split": split, "length": length, "mode": mode,
                                        "value": v, "reference": b, "target": f"<= {PPL_RATIO:.2f} x {reference}",
                                        "passed": v <= PPL_RATIO * b})

@@ -348,6 +348,10 @@ def test_goal_checks_thresholds_and_pooling():
     assert "- FAIL recall >= 0.88: sparda (trained) 0.879; a, 8192 tokens" in text
     assert "- PASS copy NLL <= 1.15 x sparse: sparda (trained) 1.150 vs sparse 1.000 (ratio 1.150); a, 4096" in text
     assert "none checkable" in goals_text(goal_checks({"rows": [_sel_row("a", 1024, "sparse", 1, 9)]}))
+    # a split without the reference's row drops out of the pooled ratio (like with like)
+    cut = {"rows": [r for r in copy["rows"] if not (r["split"] == "b" and r["mode"] == "sparse")]}
+    pooled = {(c["goal"], c["split"]): c for c in goal_checks(None, cut)}["copy NLL", "all splits"]
+    assert pooled["value"] == pytest.approx(1.15) and pooled["reference"] == pytest.approx(1.0)
 
 
 def test_report_merges_old_and_split_selection_files_and_checks_the_goals(tmp_path):

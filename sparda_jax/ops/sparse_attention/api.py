@@ -16,9 +16,8 @@ Every backend of `sparse_attention` is differentiable in q, k, v and bias throug
 VJP (`vjp.py`) with residuals (q, k, v, ids, positions, bias, out, lse): "xla" runs the
 memory-bounded jnp backward (`reference.sparse_attention_backward_reference`); the Mosaic
 backends take the lse that the prefill kernel returns (Tq > 1) or the jnp reference's (decode),
-and "mosaic_gpu_interpret" runs the Mosaic backward kernels (`prefill_backward.py`) for Tq > 1,
-"mosaic_gpu" the jnp backward until COMPILED_BACKWARD_KERNELS is set (their GPU tests), decode
-the jnp backward.
+and the Mosaic backends run the Mosaic backward kernels (`prefill_backward.py`) for Tq > 1,
+the jnp backward for decode.
 `paged_sparse_attention` has no custom VJP.
 """
 
@@ -106,19 +105,13 @@ class _MosaicOut:
         return out, REFERENCE_FORWARD.out_and_lse(q, k, v, block_ids, q_positions, bias, block_size)[1]
 
 
-# The compiled backward kernels are taken once their GPU tests (tests/test_kernel_prefill_backward.py,
-# marked gpu) pass on a Hopper GPU; until then "mosaic_gpu" differentiates with the jnp backward.
-COMPILED_BACKWARD_KERNELS = False
-
-
 @dataclasses.dataclass(frozen=True)
 class _MosaicBackward:
-    """The Mosaic backward kernels (`prefill_backward.py`) for Tq > 1; the jnp backward for decode
-    (and for compiled "mosaic_gpu" while COMPILED_BACKWARD_KERNELS is False)."""
+    """The Mosaic backward kernels (`prefill_backward.py`) for Tq > 1; the jnp backward for decode."""
     implementation: str
 
     def __call__(self, q, k, v, block_ids, q_positions, bias, out, lse, dout, block_size):
-        if q.shape[1] == 1 or (self.implementation == "mosaic_gpu" and not COMPILED_BACKWARD_KERNELS):
+        if q.shape[1] == 1:
             return sparse_attention_backward_reference(q, k, v, block_ids, q_positions, out, lse, dout,
                                                        block_size=block_size, bias=bias)
         from .prefill_backward import sparse_prefill_attention_backward

@@ -411,7 +411,14 @@ def _cmd_info(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparda", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="sparda", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="SparDA (sparse decoupled attention) in JAX: generate text and run the retrieval demo\n"
+                    "under every attention system, measure accuracy, build the training corpus, train the\n"
+                    "Forecast, and benchmark on a GPU.",
+        epilog="first steps:\n  sparda demo                      the retrieval demo on SmolLM2 (dense, sparse, sparda)\n"
+               "  sparda generate --prompt TEXT    stream a reply; --system picks the attention system\n"
+               "  sparda COMMAND --help            the options of one command")
     p.add_argument("--launch-queues", default="4x", choices=[*LAUNCH_QUEUE_SCALES, "default"],
                    help=f"CUDA's launch-queue multiplier ({LAUNCH_QUEUES}) for this run; an exported value wins. "
                         "A full-depth decode step outgrows the default queues (sparda_jax.runtime)")

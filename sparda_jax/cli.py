@@ -126,8 +126,12 @@ def _load(args):
 
     from .api import load_pretrained
 
+    from .runtime import default_cache_dir
+
     t0 = time.perf_counter()
-    model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True)
+    # the converted checkpoint is kept with the compiled programs (both off with --no-compile-cache)
+    cache = default_cache_dir() if getattr(args, "compile_cache", False) else None
+    model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True, cache_dir=cache)
     model = _with_topk(model, getattr(args, "topk", None))
     print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model
@@ -423,8 +427,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"CUDA's launch-queue multiplier ({LAUNCH_QUEUES}) for this run; an exported value wins. "
                         "A full-depth decode step outgrows the default queues (sparda_jax.runtime)")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false",
-                   help="do not keep compiled programs on disk (default: kept under $SPARDA_JAX_CACHE_DIR or "
-                        "~/.cache/sparda-jax, so a second run skips the first one's compiles)")
+                   help="do not keep compiled programs and converted checkpoints on disk (default: kept under "
+                        "$SPARDA_JAX_CACHE_DIR or ~/.cache/sparda-jax, so a second run skips the first one's "
+                        "compiles and weight conversion)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def model_args(sp, default="smollm2-135m"):

@@ -168,3 +168,34 @@ def test_errors_are_clear(tmp_path):
     (tmp_path / "x.gguf").write_bytes(b"\0" * 16)
     with pytest.raises(CheckpointError, match="not a readable GGUF"):
         load_pretrained(tmp_path / "x.gguf")
+
+
+def test_converted_checkpoints_are_cached(tmp_path, monkeypatch):
+    from sparda_jax import api
+    from sparda_jax.io.weights_cache import entry_path
+
+    w = _weights(4)
+    _write(tmp_path / "m", _config(), w)
+    cache = tmp_path / "cache"
+    first = load_pretrained(tmp_path / "m", cache_dir=cache)
+    entry = entry_path(tmp_path / "m", np.float32, cache)
+    assert entry.is_file()
+
+    def no_conversion(*a, **k):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(api, "load_hf", no_conversion)
+    second = load_pretrained(tmp_path / "m", cache_dir=cache)
+    assert second.config == first.config
+    for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params)):
+        np.testing.assert_array_equal(a, b)
+    assert entry_path(tmp_path / "m", jnp.bfloat16, cache) != entry  # another dtype, another entry
+    monkeypatch.undo()
+    entry.write_bytes(b"torn")  # an unreadable entry is rebuilt from the checkpoint, not trusted
+    third = load_pretrained(tmp_path / "m", cache_dir=cache)
+    np.testing.assert_array_equal(jax.tree.leaves(third.params)[0], jax.tree.leaves(first.params)[0])
+    assert entry.stat().st_size > 1000
+    # a changed checkpoint is a new entry
+    w["model.norm.weight"] = w["model.norm.weight"] + 1
+    _write(tmp_path / "m", _config(), w)
+    assert entry_path(tmp_path / "m", np.float32, cache) != entry

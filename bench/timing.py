@@ -172,11 +172,11 @@ def judge_claims(result: dict) -> dict:
 
 
 def write_json(result: dict, out: str | Path) -> Path:
-    result = judge_claims(result)
-    p = Path(out)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(_clean(result), indent=2))
-    return p
+    """The result (claims judged for the platform) as JSON at `out`; where that write fails, at a
+    stamped file in the working directory (`runtime.write_result`). Returns the path written."""
+    from sparda_jax.runtime import write_result
+
+    return write_result(out, json.dumps(_clean(judge_claims(result)), indent=2))
 
 
 def claim_lines(result: dict) -> list[str]:

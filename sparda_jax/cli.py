@@ -10,11 +10,10 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, enable_compilation_cache, set_launch_queues
+from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, enable_compilation_cache, set_launch_queues, write_result
 
 __all__ = ["main"]
 
@@ -79,28 +78,6 @@ def _check_output(path, *, directory: bool = False) -> None:
         raise ValueError(f"output {p} cannot be created: {parent} is a file")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"output {p} cannot be created: {parent} is not writable")
-
-
-def _write_result(path, text: str) -> Path:
-    """Write a finished run's result to `path`; if that fails (checked writable at the start,
-    but a disk can fill or a folder vanish), to a file of the same name and a time stamp in the
-    working directory, else in the temporary directory, with a warning: never lost."""
-    p = Path(path)
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text)
-        return p
-    except OSError as e:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        for folder in (Path.cwd(), Path(tempfile.gettempdir())):
-            alt = folder / f"{p.stem}-{stamp}{p.suffix}"
-            try:
-                alt.write_text(text)
-            except OSError:
-                continue
-            print(f"sparda: warning: could not write {p} ({e.strerror or e}); wrote {alt} instead", file=sys.stderr)
-            return alt
-        raise
 
 
 def _with_topk(model, topk: int | None):
@@ -191,7 +168,7 @@ def _cmd_demo(args) -> int:
                             systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))
     print(results_table(results))
     if args.json:
-        _write_result(args.json, json.dumps(results, indent=2))
+        write_result(args.json, json.dumps(results, indent=2))
     return 0
 
 
@@ -240,7 +217,7 @@ def _cmd_eval(args) -> int:
         if out is None:
             return
         if complete:
-            _write_result(out, json.dumps(result, indent=2))
+            write_result(out, json.dumps(result, indent=2))
             return
         try:  # progress: a failed write here is retried (with its fallback) at the end
             out.parent.mkdir(parents=True, exist_ok=True)
@@ -305,7 +282,7 @@ def _cmd_eval(args) -> int:
         print(goals)
     save(result, True)
     if out is not None:
-        _write_result(out.with_suffix(".md"),
+        write_result(out.with_suffix(".md"),
                       f"# {args.suite}: {model.config.name}\n\n{intro}\n{table}\n" + (f"{goals}\n" if goals else "") +
                       f"Command: `{result['command']}`; commit {env['commit']}; {env['device']}.\n")
     return 0

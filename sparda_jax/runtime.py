@@ -14,10 +14,13 @@ second process (a second `sparda generate`, a test worker) loads what an earlier
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
+import time
 import warnings
 from pathlib import Path
 
-__all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "CACHE_DIR_VARIABLE", "default_cache_dir",
+__all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "CACHE_DIR_VARIABLE", "default_cache_dir", "write_result",
            "enable_compilation_cache", "set_launch_queues", "warn_if_default_launch_queues"]
 
 CACHE_DIR_VARIABLE = "SPARDA_JAX_CACHE_DIR"
@@ -116,3 +119,25 @@ def enable_compilation_cache(directory: str | os.PathLike | None = None, *, min_
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return d
+
+
+def write_result(path, text: str) -> Path:
+    """Write a finished run's result to `path`; if that fails (checked writable at the start,
+    but a disk can fill or a folder vanish), to a file of the same name and a time stamp in the
+    working directory, else in the temporary directory, with a warning: never lost."""
+    p = Path(path)
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+        return p
+    except OSError as e:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        for folder in (Path.cwd(), Path(tempfile.gettempdir())):
+            alt = folder / f"{p.stem}-{stamp}{p.suffix}"
+            try:
+                alt.write_text(text)
+            except OSError:
+                continue
+            print(f"sparda: warning: could not write {p} ({e.strerror or e}); wrote {alt} instead", file=sys.stderr)
+            return alt
+        raise

@@ -123,7 +123,7 @@ def test_train_eval_every_0_means_never(tmp_path, loads, capsys):
 
 
 def test_a_failed_final_write_lands_in_a_fallback(tmp_path, monkeypatch, capsys):
-    from sparda_jax.cli import _write_result
+    from sparda_jax.runtime import write_result as _write_result
 
     monkeypatch.chdir(tmp_path)
     blocked = tmp_path / "file"

@@ -8,7 +8,6 @@ of format "sparda-tokens/1"; each document keeps the eos token that ends it in t
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,12 +15,11 @@ import numpy as np
 
 from sparda_jax.text import corpus_split, python_docs_corpus
 
-__all__ = ["HeldoutText", "DEFAULT_SPLIT", "PYTHON_DOCS_TEXT", "CORPUS_FORMAT", "python_docs_text", "corpus_texts",
+__all__ = ["HeldoutText", "DEFAULT_SPLIT", "PYTHON_DOCS_TEXT", "python_docs_text", "corpus_texts",
            "corpus_splits", "describe"]
 
 DEFAULT_SPLIT = "python-docs"
 PYTHON_DOCS_TEXT = "held-out quarter of the Python docs shipped with CPython (pydoc_data.topics)"
-CORPUS_FORMAT = "sparda-tokens/1"
 
 
 @dataclass(frozen=True)
@@ -48,23 +46,14 @@ def python_docs_text(encode) -> HeldoutText:
 
 
 def _manifest(directory: Path) -> dict:
-    if not directory.is_dir():
-        raise FileNotFoundError(f"token corpus directory not found: {directory}")
-    path = directory / "manifest.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"{directory} has no manifest.json (not a token corpus written by sparda_jax.corpus)")
-    try:
-        m = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != CORPUS_FORMAT:
-        got = m.get("format") if isinstance(m, dict) else type(m).__name__
-        raise ValueError(f"{path}: format {got!r}, expected {CORPUS_FORMAT!r}")
-    tok = m.get("tokenizer")
-    if not isinstance(tok, dict) or not {"vocab_size", "eos_id"} <= tok.keys() or not isinstance(m.get("splits"), dict):
-        raise ValueError(f"{path}: needs 'tokenizer' with vocab_size and eos_id, and 'splits'")
-    return m
+    """The corpus's manifest (`sparda_jax.corpus.load_manifest`: missing directory or file,
+    unreadable JSON, another format), with the tokenizer fields eval needs."""
+    from sparda_jax.corpus import load_manifest
 
+    m = load_manifest(directory)
+    if not {"vocab_size", "eos_id"} <= m["tokenizer"].keys():
+        raise ValueError(f"{directory / 'manifest.json'}: its 'tokenizer' needs vocab_size and eos_id")
+    return m
 
 def corpus_splits(directory) -> list[str]:
     """The split names of a token corpus, in its manifest's order."""

@@ -286,7 +286,7 @@ def test_cli_selection_and_copy_on_corpus_splits(tmp_path, loads, corpus_module,
 @pytest.mark.parametrize("argv,message,before_load", [
     (["--suite", "copy", "--splits", "eval-man"], "--splits names splits of a token corpus: give its directory", True),
     (["--suite", "tasks", "--text", "{d}"], "--text applies to the selection and copy suites, not tasks", True),
-    (["--suite", "copy", "--text", "{d}/none"], "token corpus directory not found: {d}/none", True),
+    (["--suite", "copy", "--text", "{d}/none"], "corpus directory not found: {d}/none", True),
     (["--suite", "copy", "--text", "{d}", "--splits", "eval-xyz"],
      "split 'eval-xyz' is not in {d}; its splits are train, heldout, eval-info, eval-man, eval-licenses", True),
     (["--suite", "selection", "--text", "{d}", "--splits", "eval-man", "--lengths", "2048"],

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .prefill import (BS, INTERPRET, LOG2E, MMA_T, ROWS, PrefillMeta, _check, _pad_tokens, _row_vectors,
+from .prefill import (BS, INTERPRET, LOG2E, MMA_T, ROWS, PrefillMeta, _check, _pad_tokens, _pv, _row_vectors,
                       build_prefill_meta, padded_group, tile_tokens_for)
 
 __all__ = ["sparse_prefill_attention_backward", "build_transposed_meta", "TransposedMeta"]
@@ -60,25 +60,6 @@ def build_transposed_meta(meta: PrefillMeta, n_blocks: int) -> TransposedMeta:
 
 
 # ------------------------------------------------------------------------------------ kernels
-
-def _mma(acc, a, b_ref, a_smem, *, a_via_smem, acc_in_place, dtype):
-    """acc + a @ b_ref (a (64, 64) f32 rounded to dtype; b_ref an SMEM ref, maybe transposed)."""
-    if a_via_smem:                                          # interpret mode: wgmma A must be a ref
-        a_smem[...] = a.astype(dtype)
-        plgpu.commit_smem()
-        a_op = a_smem
-    else:
-        a_op = a.astype(dtype)
-    if acc_in_place:
-        def fn(acc_ref):
-            plgpu.wgmma(acc_ref, a_op, b_ref)
-        return pl.run_state(fn)(plgpu.ACC.init(acc))
-
-    def fn(acc_ref):
-        plgpu.wgmma(acc_ref, a_op, b_ref)
-        return acc_ref[...]
-    return acc + pl.run_scoped(fn, plgpu.ACC((ROWS, acc.shape[1]), jnp.float32))
-
 
 def _mm(a_ref, b_ref):
     """a_ref @ b_ref -> (64, 64) f32 in registers."""
@@ -153,7 +134,7 @@ def _dq_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, meta, pos, *, gp, a_via_
             p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(lse, (ROWS, BS), [0])), 0.0)
             dp = _mm(do_smem, v_smem.at[slot].T)
             ds = p * (dp - lax.broadcast_in_dim(delta, (ROWS, BS), [0]))
-            return _mma(dq, ds, k_smem.at[slot], a_smem, a_via_smem=a_via_smem, acc_in_place=acc_in_place,
+            return _pv(dq, ds, k_smem.at[slot], a_smem, p_via_smem=a_via_smem, acc_in_place=acc_in_place,
                         dtype=dtype)
 
         dq = lax.fori_loop(0, nu, step, _zeros(d))
@@ -248,9 +229,9 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, pos_r, k, v, bias_r, tmeta, *, gp, a_
             pt = jnp.where(visible, jnp.exp2(st - lse), 0.0)
             dpt = _mm(v_smem, do_smem.at[slot].T)
             dst = pt * (dpt - delta)
-            dv = _mma(dv, pt, do_smem.at[slot], a_smem, a_via_smem=a_via_smem, acc_in_place=acc_in_place,
+            dv = _pv(dv, pt, do_smem.at[slot], a_smem, p_via_smem=a_via_smem, acc_in_place=acc_in_place,
                       dtype=dtype)
-            dk = _mma(dk, dst, q_smem.at[slot], a_smem, a_via_smem=a_via_smem, acc_in_place=acc_in_place,
+            dk = _pv(dk, dst, q_smem.at[slot], a_smem, p_via_smem=a_via_smem, acc_in_place=acc_in_place,
                       dtype=dtype)
             if has_bias:
                 db = db + dst.sum(axis=1)

@@ -37,6 +37,7 @@ from sparda_jax.modes import MODES, forward
 from sparda_jax.text import haystack_from_tokens
 
 from .heldout import HeldoutText, describe, python_docs_text
+from .selection import mode_rows
 
 __all__ = ["CopySequence", "copy_sequence", "source_share", "eval_copy", "copy_markdown", "PASSAGE_TOKENS",
            "OVERLAP_TOKENS"]
@@ -232,8 +233,6 @@ def copy_markdown(result: dict) -> str:
     for split in dict.fromkeys(r["split"] for r in rows):
         here = [r for r in rows if r["split"] == split]
         lengths = sorted({r["length"] for r in here})
-        modes = list(dict.fromkeys(r["mode"] for r in here))
-        by = {(r["mode"], r["length"]): r for r in here}
         out.append(f"**{split}**: copy NLL per token of the repeat (± 95% interval over sequences); share of "
                    f"(layer, KV head, repeat query) rows selecting the block of the next token's source "
                    f"(source), of the query token's own copy (copy), and the in-run InfLLM-V2 ceiling (oracle)\n")
@@ -242,16 +241,9 @@ def copy_markdown(result: dict) -> str:
         out.append("|---|" + "---|---|---|---|" * len(lengths))
         covered = [n for n in lengths if any(r.get("context_blocks", math.inf) <= result.get("budget", {}).get(
             "topk", -1) for r in here if r["length"] == n)]
-        for m in modes:
-            cells = []
-            for n in lengths:
-                r = by.get((m, n))
-                if r is None:
-                    cells.append("- | - | - | -")
-                    continue
-                cells.append(" | ".join([_fmt(r["copy_nll"], r.get("copy_nll_ci95")), _fmt(r.get("source_share")),
-                                         _fmt(r.get("copy_share")), _fmt(r.get("oracle_source_share"))]))
-            out.append(f"| {m} | " + " | ".join(cells) + " |")
+        out += mode_rows(here, lengths, lambda r: " | ".join([
+            _fmt(r["copy_nll"], r.get("copy_nll_ci95")), _fmt(r.get("source_share")), _fmt(r.get("copy_share")),
+            _fmt(r.get("oracle_source_share"))]), "- | - | - | -")
         if covered:
             out.append(f"\nAt {', '.join(map(str, covered))} tokens the budget of {result['budget']['topk']} blocks "
                        f"covers the whole context: every selection holds every block.")

@@ -48,32 +48,9 @@ def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
 
 def table(rows: list[dict]) -> str:
     """Selection rows: one table per held-out split (one table for rows without splits)."""
-    splits = list(dict.fromkeys(r.get("split") for r in rows))
-    if len(splits) == 1:
-        return _table(rows)
-    return "\n\n".join(f"**{s}**\n\n" + _table([r for r in rows if r.get("split") == s]) for s in splits)
+    from .selection import markdown_table
 
-
-def _table(rows: list[dict]) -> str:
-    lengths = sorted({r["length"] for r in rows})
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    by = {(r["mode"], r["length"]): r for r in rows}
-    head = "| mode | " + " | ".join(f"ppl {n} | ppl {n} late half | recall {n} | mass {n}" for n in lengths) + " |"
-    lines = [head, "|---|" + "---|---|---|---|" * len(lengths)]
-    for m in modes:
-        cells = []
-        for n in lengths:
-            r = by.get((m, n))
-            if r is None:
-                cells.append("- | - | - | -")
-                continue
-            ci = r.get("nll_late_ci95")
-            late = f"{r['ppl_late']:.3f}" + (f" (±{ci:.3f} nats)" if ci is not None else "")
-            cells.append(f"{r['ppl']:.3f} | {late} | {r['recall']:.3f}" if "recall" in r else
-                         f"{r['ppl']:.3f} | {late} | -")
-            cells[-1] += f" | {r['attention_mass']:.3f}" if "attention_mass" in r else " | 1"
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return markdown_table({"rows": rows})
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,7 +30,7 @@ from sparda_jax.text import haystack_from_tokens
 
 from .heldout import HeldoutText, describe, python_docs_text
 
-__all__ = ["eval_selection", "markdown_table", "check_room"]
+__all__ = ["eval_selection", "markdown_table", "mode_rows", "check_room"]
 
 
 # tokens per tile of the prefill kernel (sparda_jax.ops.sparse_attention.prefill.tile_tokens_for):
@@ -166,20 +166,25 @@ def markdown_table(result: dict) -> str:
                        for s in splits)
 
 
+def mode_rows(rows: list[dict], lengths, cell, empty: str) -> list[str]:
+    """Markdown rows, one per mode (in first-seen order): `cell(row)` for each length, `empty`
+    where a (mode, length) was not measured."""
+    by = {(r["mode"], r["length"]): r for r in rows}
+    out = []
+    for m in dict.fromkeys(r["mode"] for r in rows):
+        out.append(f"| {m} | " + " | ".join(cell(by[m, n]) if (m, n) in by else empty for n in lengths) + " |")
+    return out
+
+
 def _split_table(rows: list[dict]) -> str:
-    result = {"rows": rows}
-    lengths = sorted({r["length"] for r in result["rows"]})
-    modes = list(dict.fromkeys(r["mode"] for r in result["rows"]))
-    by = {(r["mode"], r["length"]): r for r in result["rows"]}
-    head = "| mode | " + " | ".join(f"ppl {n} (late half) | recall {n} | mass {n}" for n in lengths) + " |"
-    sep = "|---|" + "---|---|---|" * len(lengths)
-    lines = [head, sep]
-    for m in modes:
-        cells = []
-        for n in lengths:
-            r = by[(m, n)]
-            rec = f"{r['recall']:.3f}" if "recall" in r else "-"
-            mass = f"{r['attention_mass']:.3f}" if "attention_mass" in r else "1"
-            cells.append(f"{r['ppl']:.3f} ({r['ppl_late']:.3f}) | {rec} | {mass}")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    lengths = sorted({r["length"] for r in rows})
+
+    def cell(r):
+        ci = r.get("nll_late_ci95")
+        late = f"{r['ppl_late']:.3f}" + (f" (±{ci:.3f} nats)" if ci is not None else "")
+        recall = f"{r['recall']:.3f}" if "recall" in r else "-"
+        mass = f"{r['attention_mass']:.3f}" if "attention_mass" in r else "1"
+        return f"{r['ppl']:.3f} | {late} | {recall} | {mass}"
+
+    head = "| mode | " + " | ".join(f"ppl {n} | ppl {n} late half | recall {n} | mass {n}" for n in lengths) + " |"
+    return "\n".join([head, "|---|" + "---|---|---|---|" * len(lengths), *mode_rows(rows, lengths, cell, "- | - | - | -")])

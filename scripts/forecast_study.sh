@@ -5,6 +5,7 @@
 #   source scripts/device_setup.sh            # joins the GGUF, unpacks the corpus into /root/data
 #   bash scripts/forecast_study.sh ablate     # start the ablation runs (STEPS each, in parallel)
 #   bash scripts/forecast_study.sh main       # start (or resume) the long run to MAIN_STEPS
+#   bash scripts/forecast_study.sh start NAME [N]  # one run of the table below, N steps
 #   bash scripts/forecast_study.sh status     # each run's step, loss, recall; GPU memory
 #   bash scripts/forecast_study.sh wait NAME..# block until those runs have exported a Forecast
 #   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts (+ baselines)
@@ -17,6 +18,8 @@
 #   mix         corpus + retrieval-rich windows (25% repeated spans, 25% scattered pieces)
 #   mix_fine    mix with the fine (2, 1) teacher
 #   mix_k256    mix with supervision k 256
+#   mix_norest  mix without the loss's rest bucket (start it with: start mix_norest STEPS)
+#   fine_main   mix with the (2, 1) teacher, for a long run (start fine_main MAIN_STEPS)
 #   main        mix, trained on from its last checkpoint to MAIN_STEPS
 set -u
 DATA=${DATA:-/root/data}
@@ -34,6 +37,8 @@ flags() {
     mix)      echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25" ;;
     mix_fine) echo "--data $DATA --teacher 2 1 --repeat-share 0.25 --scatter-share 0.25" ;;
     mix_k256) echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --supervision-k 256" ;;
+    mix_norest) echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --no-rest-bucket" ;;
+    fine_main) echo "--data $DATA --teacher 2 1 --repeat-share 0.25 --scatter-share 0.25" ;;
     main)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
@@ -108,6 +113,7 @@ case "$phase" in
       mkdir -p "$RUNS/main" && cp -r "$RUNS/mix/checkpoints" "$RUNS/mix/config.json" "$RUNS/mix/metrics.jsonl" "$RUNS/main/"
     fi
     start main "$MAIN_STEPS" ;;
+  start) start "$1" "${2:-$STEPS}" ;;  # start NAME [STEPS]: one run of the table above
   status) status ;;
   wait)  # until each run has exported its Forecast, or its process is gone, or WAIT_S seconds
     t_end=$(( $(date +%s) + ${WAIT_S:-600} ))

@@ -308,6 +308,8 @@ def _cmd_train(args) -> int:
     if args.supervision_k is not None:
         model.config = model.config.replace(forecast=dataclasses.replace(
             model.config.forecast, supervision_k=args.supervision_k))
+    if not args.rest_bucket:
+        model.config = model.config.replace(forecast=dataclasses.replace(model.config.forecast, rest_bucket=False))
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
     tc = TrainConfig(seq_len=args.seq_len, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
                      lr=args.lr, dtype=args.train_dtype, seed=args.seed)
@@ -487,6 +489,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher compression (default 2 1; the paper's ablation uses 32 16)")
     t.add_argument("--supervision-k", type=_positive_int,
                    help="teacher positions kept apart in the loss, on the compressed grid (default: the preset's)")
+    t.add_argument("--no-rest-bucket", dest="rest_bucket", action="store_false",
+                   help="ablation: the loss compares the kept positions alone (no bucket for the rest)")
     t.add_argument("--repeat-share", type=float, default=0.0,
                    help="share of training windows given a long-range repeated span (train.augment)")
     t.add_argument("--scatter-share", type=float, default=0.0,

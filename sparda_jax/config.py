@@ -225,11 +225,13 @@ class ForecastConfig:
     teacher_kernel_stride: int = 1
     supervision_k: int = 256
     init_std: float = 0.02
+    rest_bucket: bool = True  # the loss's bucket for the teacher's mass outside the kept set
 
     def __post_init__(self):
         c = "ForecastConfig"
         for name in ("teacher_kernel_size", "teacher_kernel_stride", "supervision_k"):
             check_int(c, name, getattr(self, name), lo=1)
+        check_bool(c, "rest_bucket", self.rest_bucket)
         check_float(c, "init_std", self.init_std, lo=0, lo_open=True)
         if self.teacher_kernel_size < self.teacher_kernel_stride:
             _fail(c, "teacher_kernel_size", "must be >= teacher_kernel_stride")

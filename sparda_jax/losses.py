@@ -42,9 +42,11 @@ def _safe(z):
     return jnp.where(z > 0, z, 1.0)
 
 
-def partition_kl(p_teacher: jax.Array, p_student: jax.Array, k: int) -> jax.Array:
+def partition_kl(p_teacher: jax.Array, p_student: jax.Array, k: int, *, rest: bool = True) -> jax.Array:
     """KL(teacher || student) over k + 1 buckets: the teacher's k largest positions, and one
     "rest" bucket holding everything else; both sides renormalized. Last axis = positions.
+    rest=False (an ablation): the k kept positions alone, both sides renormalized over them, so
+    mass the student puts outside the kept set goes unpenalized.
 
     Inputs are non-negative scores (0 = excluded / invisible); they need not sum to 1.
     Positions where the teacher is 0 never enter the kept set. A row whose teacher mass is 0
@@ -64,6 +66,11 @@ def partition_kl(p_teacher: jax.Array, p_student: jax.Array, k: int) -> jax.Arra
     _, idx = jax.lax.top_k(t, k)
     kept = jnp.zeros(t.shape, bool)
     kept = jnp.put_along_axis(kept, idx, True, axis=-1, inplace=False) & (t > 0)
+    if not rest:  # renormalize both over the kept set; the rest bucket's term below is then 0
+        t = jnp.where(kept, t, 0.0)
+        s = jnp.where(kept, s, 0.0)
+        t = t / _safe(jnp.sum(t, axis=-1, keepdims=True))
+        s = s / _safe(jnp.sum(s, axis=-1, keepdims=True))
     t_rest = jnp.sum(jnp.where(kept, 0.0, t), axis=-1)
     s_rest = jnp.sum(jnp.where(kept, 0.0, s), axis=-1)
     eps = 1e-12
@@ -154,7 +161,8 @@ def _layer_loss_and_grad(f, q, k, q_positions, sparse, fc, q_chunk):
         has = jnp.sum(teacher, axis=-1) > 0
 
         def kl_of(f_):
-            kl = partition_kl(teacher, student_probs(f_, kc, pc, sparse) * keep, fc.supervision_k)  # [B, K, c]
+            kl = partition_kl(teacher, student_probs(f_, kc, pc, sparse) * keep, fc.supervision_k,
+                              rest=fc.rest_bucket)  # [B, K, c]
             return jnp.sum(jnp.where(has, kl, 0.0))
 
         kl, pull = jax.vjp(kl_of, fc_)

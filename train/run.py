@@ -59,13 +59,12 @@ def eval_recall(backbone, forecast, tokens, config, dtype) -> float:
 
 
 def plot_metrics(jsonl: Path, png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # a Figure without pyplot: no backend is chosen, so a caller's (a notebook's) stays as it is
+    from matplotlib.figure import Figure
 
     rows = [json.loads(line) for line in jsonl.read_text().splitlines() if line.strip()]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.6))
+    fig = Figure(figsize=(10, 3.6))
+    ax = fig.subplots(1, 2)
     steps = [r["step"] for r in rows]
     ax[0].plot(steps, [r["loss"] for r in rows], lw=1)
     ax[0].set(xlabel="step", ylabel="partition KL, summed over layers", title="training loss")
@@ -76,7 +75,6 @@ def plot_metrics(jsonl: Path, png: Path) -> None:
         a.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-    plt.close(fig)
 
 
 # settings that may change on resume without changing what a step computes

@@ -182,8 +182,12 @@ def test_forecast_file_roundtrip_and_errors(tmp_path):
 
 def test_shipped_smollm2_forecast_beats_untrained():
     """The Forecast shipped in the package (trained on the H200, train/results/smollm2) picks
-    the layers' own InfLLM-V2 blocks far better than a random one on held-out text. 2K tokens
-    keep this test fast on the CPU; the gap is wider at 8K (eval/results/heldout)."""
+    the layers' own InfLLM-V2 blocks far better than a random one on held-out text. On the CPU
+    at 1024 tokens with a budget that still selects (1 + 2 forced blocks, topk 8): measured
+    0.882 trained against 0.628 random; the default budget's numbers are in
+    eval/results/heldout."""
+    import dataclasses
+
     import sparda_jax as sj
     from sparda_jax.io.forecast_file import default_forecast
     from sparda_jax.text import corpus_split, haystack_tokens, python_docs_corpus
@@ -192,11 +196,12 @@ def test_shipped_smollm2_forecast_beats_untrained():
     m = sj.load_pretrained("smollm2-135m")
     f, trained = default_forecast(m.config)
     assert trained
-    toks = jnp.asarray([haystack_tokens(m.tokenizer.encode, 2048, seed=5,
+    cfg = m.config.replace(sparse=dataclasses.replace(m.config.sparse, local_blocks=2, topk=8))
+    toks = jnp.asarray([haystack_tokens(m.tokenizer.encode, 1024, seed=5,
                                         docs=corpus_split(python_docs_corpus(), "eval"))])
-    r_trained = eval_recall(m.params, f, toks, m.config, jnp.float32)
-    r_random = eval_recall(m.params, init_forecast(m.config, jax.random.key(0)), toks, m.config, jnp.float32)
-    assert r_trained > 0.92 and r_trained > r_random + 0.04, (r_trained, r_random)
+    r_trained = eval_recall(m.params, f, toks, cfg, jnp.float32)
+    r_random = eval_recall(m.params, init_forecast(cfg, jax.random.key(0)), toks, cfg, jnp.float32)
+    assert r_trained > 0.85 and r_trained > r_random + 0.15, (r_trained, r_random)
 
 
 def test_objective_memory_grows_linearly_with_context(tiny_params):

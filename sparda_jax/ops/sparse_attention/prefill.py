@@ -174,6 +174,16 @@ def _softmax_step(qk, blk, bits, tok_tile, pos, bias_col, carry, scale_log2):
     return p, (acc, m_new, l_i)
 
 
+def fetch_block(blk, slot, b, h, k_ref, v_ref, k_smem, v_smem, bar, bias=None):
+    """Start the TMA copies of KV block `blk` (padding -1 reads block 0) of (b, KV head h) into
+    `slot` of the SMEM rings, all arriving on bar[slot]; bias: (bias_ref, its SMEM ring) or None."""
+    keys = pl.ds(pl.multiple_of(jnp.maximum(blk, 0) * BS, BS), BS)
+    plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], bar.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], bar.at[slot])
+    if bias is not None:
+        plgpu.copy_gmem_to_smem(bias[0].at[b, h, keys], bias[1].at[slot], bar.at[slot])
+
+
 def _pv(acc, p, v_smem, p_smem, *, p_via_smem, acc_in_place, dtype):
     if p_via_smem:                                          # interpret mode: wgmma A must be a ref
         p_smem[...] = p.astype(dtype)
@@ -238,12 +248,8 @@ def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, inte
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, rows], q_smem, q_bar)
 
         def fetch(j, slot):                                 # one barrier per slot, 2-3 arrivals
-            blk = jnp.maximum(uid_ref[b, h, tt, j], 0)
-            keys = pl.ds(pl.multiple_of(blk * BS, BS), BS)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], kv_bar.at[slot])
-            if has_bias:
-                plgpu.copy_gmem_to_smem(bias_ref.at[b, h, keys], b_smem.at[slot], kv_bar.at[slot])
+            fetch_block(uid_ref[b, h, tt, j], slot, b, h, k_ref, v_ref, k_smem, v_smem, kv_bar,
+                        (bias_ref, b_smem) if has_bias else None)
 
         @pl.when(nu > 0)
         def _():

@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from .prefill import (BS, INTERPRET, LOG2E, MMA_T, ROWS, PrefillMeta, _check, _pad_tokens, _pv, _row_vectors,
-                      build_prefill_meta, padded_group, tile_tokens_for)
+                      build_prefill_meta, fetch_block, padded_group, tile_tokens_for)
 
 __all__ = ["sparse_prefill_attention_backward", "build_transposed_meta", "TransposedMeta"]
 
@@ -99,12 +99,8 @@ def _dq_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, meta, pos, *, gp, a_via_
         plgpu.copy_gmem_to_smem(delta_ref.at[b, h, rows], delta_smem, q_bar)
 
         def fetch(j, slot):
-            blk = jnp.maximum(uid_ref[b, h, tt, j], 0)
-            keys = pl.ds(pl.multiple_of(blk * BS, BS), BS)
-            plgpu.copy_gmem_to_smem(k_ref.at[b, keys, h], k_smem.at[slot], kv_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, keys, h], v_smem.at[slot], kv_bar.at[slot])
-            if has_bias:
-                plgpu.copy_gmem_to_smem(bias_ref.at[b, h, keys], b_smem.at[slot], kv_bar.at[slot])
+            fetch_block(uid_ref[b, h, tt, j], slot, b, h, k_ref, v_ref, k_smem, v_smem, kv_bar,
+                        (bias_ref, b_smem) if has_bias else None)
 
         @pl.when(nu > 0)
         def _():

@@ -21,6 +21,7 @@
 #   mix_norest  mix without the loss's rest bucket (start it with: start mix_norest STEPS)
 #   fine_main   mix with the (2, 1) teacher, for a long run (start fine_main MAIN_STEPS)
 #   main        mix, trained on from its last checkpoint to MAIN_STEPS
+#   cont        mix, started from the shipped Forecast (fresh optimizer, other windows: seed 1)
 set -u
 DATA=${DATA:-/root/data}
 RUNS=${RUNS:-/root/study}
@@ -40,6 +41,7 @@ flags() {
     mix_norest) echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --no-rest-bucket" ;;
     fine_main) echo "--data $DATA --teacher 2 1 --repeat-share 0.25 --scatter-share 0.25" ;;
     main)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25" ;;
+    cont)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
@@ -66,15 +68,19 @@ status() {
 }
 
 evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (baselines once), EVAL_JOBS at a time
+  # BASELINES=0: no baselines; BASE_SPLITS / BASE_TAG: the baselines on some splits, in baselines${BASE_TAG}_*.json
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
-  local sel="--suite selection --text $DATA --splits $splits --lengths 4096 8192 --seqs 4"
-  local cpy="--suite copy --text $DATA --splits $splits --lengths 4096 8192 --samples 8"
-  local jobs=$out/jobs.txt; : > "$jobs"
-  if [ ! -f "$out/baselines_selection.json" ]; then
-    echo "$sel --modes dense sparse infinigen sparda --forecast random --out $out/baselines_selection.json" >> "$jobs"
-    echo "$cpy --modes dense sparse infinigen sparda --forecast random --out $out/baselines_copy.json" >> "$jobs"
+  local sel="--suite selection --text $DATA --lengths 4096 8192 --seqs 4"
+  local cpy="--suite copy --text $DATA --lengths 4096 8192 --samples 8"
+  local jobs=$out/jobs${BASE_TAG:-}$$.txt; : > "$jobs"
+  local base=$out/baselines${BASE_TAG:-}
+  if [ "${BASELINES:-1}" = 1 ] && [ ! -f "${base}_selection.json" ]; then
+    local bs=${BASE_SPLITS:-$splits}
+    echo "$sel --splits $bs --modes dense sparse infinigen sparda --forecast random --out ${base}_selection.json" >> "$jobs"
+    echo "$cpy --splits $bs --modes dense sparse infinigen sparda --forecast random --out ${base}_copy.json" >> "$jobs"
   fi
+  sel="$sel --splits $splits"; cpy="$cpy --splits $splits"
   for name in "$@"; do
     local f=$RUNS/$name/forecast.safetensors
     [ -f "$f" ] || { echo "no Forecast for $name yet"; continue; }
@@ -96,7 +102,9 @@ collect() {  # at most 8 files of at most 16 MiB come back from a call: records 
     for l in "$d"/*.log; do [ -f "$l" ] && tail -c 6000 "$l" > "$tmp/$n/$(basename "$l").tail"; done
   done
   tar czf "$dst/records.tgz" -C "$tmp" .
-  [ -f "$RUNS/main/forecast.safetensors" ] && cp "$RUNS/main/forecast.safetensors" "$dst/main_forecast.safetensors"
+  for n in ${COLLECT_FORECASTS:-main cont}; do
+    [ -f "$RUNS/$n/forecast.safetensors" ] && cp "$RUNS/$n/forecast.safetensors" "$dst/${n}_forecast.safetensors"
+  done
   # the long run's newest checkpoint, in parts, where the run may outlast the machine
   if [ -d "$RUNS/main/checkpoints" ] && [ "${WITH_CHECKPOINT:-0}" = 1 ]; then
     (cd "$RUNS/main" && tar czf - "checkpoints/$(ls checkpoints | grep -E '^[0-9]+$' | sort -n | tail -n 1)") \

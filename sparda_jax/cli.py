@@ -288,6 +288,18 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _init_forecast_path(arg, config):
+    """--init-forecast: None, 'shipped' (the package's Forecast for this model) or a file."""
+    if arg != "shipped":
+        return arg
+    from .io.forecast_file import shipped_forecast_path
+
+    path = shipped_forecast_path(config)
+    if path is None:
+        raise SystemExit(f"--init-forecast shipped: no Forecast is shipped for {config.name!r}")
+    return path
+
+
 def _cmd_train(args) -> int:
     import dataclasses
 
@@ -315,7 +327,7 @@ def _cmd_train(args) -> int:
                      lr=args.lr, dtype=args.train_dtype, seed=args.seed)
     summary = train(model, tc, args.out, data_paths=args.data, data_devices=args.data_devices,
                     save_every=args.save_every, keep=args.keep, eval_every=args.eval_every, mix=mix,
-                    override=args.override,
+                    init_from=_init_forecast_path(args.init_forecast, model.config), override=args.override,
                     log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(summary, indent=2))
     return 0
@@ -495,6 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of training windows given a long-range repeated span (train.augment)")
     t.add_argument("--scatter-share", type=float, default=0.0,
                    help="share of training windows given a shuffled copy of scattered short spans")
+    t.add_argument("--init-forecast", metavar="FILE",
+                   help="start from this Forecast .safetensors ('shipped': the one shipped for the model) "
+                        "instead of a random one; the optimizer starts fresh")
     t.add_argument("--override", action="store_true",
                    help="resume although settings differ from the run's config.json (the change is recorded there)")
     t.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -17,7 +18,7 @@ from sparda_jax import get_preset, init_forecast, init_model
 from sparda_jax.api import Pretrained
 from sparda_jax.io import CheckpointError
 from sparda_jax.io.forecast_file import load_forecast, save_forecast
-from sparda_jax.train.data import WindowSampler, tokenize_documents
+from sparda_jax.train.data import WindowSampler, token_stream, tokenize_documents
 from sparda_jax.train.objective import TrainConfig, forecast_loss, init_state, train_step
 from sparda_jax.train.run import train
 
@@ -166,6 +167,29 @@ def test_resume_with_other_settings_is_refused_unless_overridden(tmp_path, tiny_
     # lengthening the run is not a change of settings; the record keeps the earlier override
     train(model, TrainConfig(**{**other.__dict__, "steps": 3}), tmp_path, **kw)
     assert json.loads((tmp_path / "config.json").read_text())["overrides"] == rec["overrides"]
+
+
+def test_run_started_from_a_forecast_file(tmp_path, tiny_params):
+    """init_from: step 1's loss is that Forecast's loss (not a random one's); the record names its
+    sha256; a missing file fails before any training."""
+    model = Pretrained(TINY, tiny_params, ByteTokenizer())
+    tc = TrainConfig(seq_len=64, batch=1, micro_batch=1, steps=2, lr=3e-3, dtype="float32")
+    kw = dict(save_every=1, keep=1, eval_every=0, progress=False, log=lambda s: None)
+    train(model, tc, tmp_path / "a", **kw)
+    start = tmp_path / "a" / "forecast.safetensors"
+    train(model, tc, tmp_path / "b", init_from=start, **kw)
+    load = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    first_b = load("b")[0]["loss"]
+    # the same window (seed 0, step 0) under the trained file and under a fresh random Forecast
+    rows = WindowSampler(token_stream(None, ByteTokenizer(), list(TINY.eos_token_ids[:1])), 64, 0).batch(0, 1)
+    loss_of = lambda f: float(forecast_loss(f, tiny_params, jnp.asarray(rows), TINY)[0])
+    np.testing.assert_allclose(first_b, loss_of(load_forecast(start, TINY)), rtol=1e-5)
+    assert abs(first_b - load("a")[0]["loss"]) > 1e-3 * first_b  # a: random start
+    rec = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert rec["init"] == {"file": start.name, "sha256": hashlib.sha256(start.read_bytes()).hexdigest()}
+    with pytest.raises(FileNotFoundError):
+        train(model, tc, tmp_path / "c", init_from=tmp_path / "none.safetensors", **kw)
+    assert not (tmp_path / "c" / "metrics.jsonl").exists()
 
 
 def test_forecast_file_roundtrip_and_errors(tmp_path):

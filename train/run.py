@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from sparda_jax.api import Pretrained
 from sparda_jax.forecast import init_forecast
-from sparda_jax.io.forecast_file import save_forecast
+from sparda_jax.io.forecast_file import load_forecast, save_forecast
 from sparda_jax.metrics import block_recall
 from sparda_jax.modes import forward
 from sparda_jax.text import haystack_from_tokens, haystack_tokens
@@ -114,11 +114,14 @@ def _run_record(path: Path, settings: dict, step: int, *, override: bool) -> dic
 
 def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
           save_every: int = 100, keep: int = 3, eval_every: int = 50, eval_len: int | None = None,
-          mix: RetrievalMix = RetrievalMix(), override: bool = False, progress: bool = True, log=print) -> dict:
+          mix: RetrievalMix = RetrievalMix(), init_from: str | Path | None = None, override: bool = False,
+          progress: bool = True, log=print) -> dict:
     """Train the Forecast of `model`; resumes from out_dir/checkpoints if present. Writes
     metrics.jsonl, metrics.png, forecast.safetensors and config.json under out_dir.
     eval_every: the held-out recall every this many steps and at the first and last step; 0:
     never. mix: the share of training windows given long-range copies (`train.augment`).
+    init_from: a Forecast file to start from instead of a random one (a fresh optimizer; its
+    sha256 is part of the run's record).
     A resumed run must have the settings its config.json records (the step count aside: a run
     may be lengthened), else ValueError; override=True continues with the new settings and
     records the change and its step in config.json's "overrides"."""
@@ -155,6 +158,11 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     if held_docs is None:
         held_out = jnp.asarray([haystack_tokens(tok.encode, n_eval, seed=tc.seed + 7,
                                                 docs=load_documents(None, "eval"))], jnp.int32)
+    init = None
+    if init_from is not None:
+        init_from = Path(init_from)
+        init = load_forecast(init_from, c)  # FileNotFoundError / CheckpointError before any work
+        init_record = {"file": init_from.name, "sha256": hashlib.sha256(init_from.read_bytes()).hexdigest()}
     mesh = make_mesh(data_devices)
     n_data = mesh.devices.size
     if tc.micro_batch % n_data:
@@ -163,12 +171,14 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     # the record is checked before any work on the device: a refused resume costs nothing
     record = _run_record(out / "config.json", {
         "model": c.name, "train": asdict(tc), "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
-        "mix": asdict(mix), "data": {"tokens": int(stream.size), "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}},
+        "mix": asdict(mix), "data": {"tokens": int(stream.size), "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}}
+        | ({"init": init_record} if init is not None else {}),
         ckpt.latest_step() or 0, override=override)
     replicated = NamedSharding(mesh, P())
     dtype = jnp.dtype(tc.dtype)
     backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
-    state = jax.device_put(init_state(init_forecast(c, jax.random.key(tc.seed)), tc), replicated)
+    start_forecast = init if init is not None else init_forecast(c, jax.random.key(tc.seed))
+    state = jax.device_put(init_state(start_forecast, tc), replicated)
     restored = ckpt.restore(state)
     if restored is not None:
         state = restored

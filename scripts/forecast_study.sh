@@ -7,7 +7,7 @@
 #   bash scripts/forecast_study.sh main       # start (or resume) the long run to MAIN_STEPS
 #   bash scripts/forecast_study.sh start NAME [N]  # one run of the table below, N steps
 #   bash scripts/forecast_study.sh status     # each run's step, loss, recall; GPU memory
-#   bash scripts/forecast_study.sh wait NAME..# block until those runs have exported a Forecast
+#   bash scripts/forecast_study.sh wait NAME..# block until those runs' processes have ended
 #   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts (+ baselines)
 #   bash scripts/forecast_study.sh collect    # run records, eval results, the main Forecast into $OUT/forecast_study
 #                                             # (WITH_CHECKPOINT=1: its newest checkpoint too, in 15 MiB parts)
@@ -58,6 +58,7 @@ start() {  # start NAME STEPS: a background training process that outlives this 
 status() {
   for d in "$RUNS"/*/; do
     local n; n=$(basename "$d")
+    [ "$n" = eval ] && continue
     local last; last=$(tail -n 1 "$d/metrics.jsonl" 2>/dev/null | python3 -c \
       'import json,sys; r=json.loads(sys.stdin.read() or "{}"); print(r.get("step"), round(r.get("loss", 0), 3), round(r.get("tokens_per_s", 0)))' 2>/dev/null)
     local rec; rec=$(grep -o '"recall": [0-9.]*' "$d/metrics.jsonl" 2>/dev/null | tail -n 1)
@@ -123,13 +124,13 @@ case "$phase" in
     start main "$MAIN_STEPS" ;;
   start) start "$1" "${2:-$STEPS}" ;;  # start NAME [STEPS]: one run of the table above
   status) status ;;
-  wait)  # until each run has exported its Forecast, or its process is gone, or WAIT_S seconds
+  wait)  # until each run's process has exited (a lengthened run re-exports at its end), or WAIT_S seconds
     t_end=$(( $(date +%s) + ${WAIT_S:-600} ))
     for n in "$@"; do
-      while [ ! -f "$RUNS/$n/forecast.safetensors" ] && pgrep -f "out $RUNS/$n " >/dev/null && [ "$(date +%s)" -lt "$t_end" ]; do
-        sleep 5
-      done
-      if [ -f "$RUNS/$n/forecast.safetensors" ]; then echo "$n exported"; else echo "$n: no Forecast (see $RUNS/$n/log)"; tail -n 3 "$RUNS/$n/log"; fi
+      while pgrep -f "out $RUNS/$n " >/dev/null && [ "$(date +%s)" -lt "$t_end" ]; do sleep 5; done
+      if pgrep -f "out $RUNS/$n " >/dev/null; then echo "$n: still running after WAIT_S"
+      elif [ -f "$RUNS/$n/forecast.safetensors" ]; then echo "$n exported"
+      else echo "$n: no Forecast (see $RUNS/$n/log)"; tail -n 3 "$RUNS/$n/log"; fi
     done ;;
   eval) evaluate "$@" ;;
   collect) collect ;;

@@ -178,18 +178,38 @@ def _inside_modules(modules, kernels, steps: int, n_gaps: int = 5) -> dict:
 def profile_calls(call, steps: int, log_dir, *, keep_trace: bool = True) -> dict:
     """Trace `steps` calls of `call()` (each blocked on) and summarise; with keep_trace the
     trace is kept as <log_dir>.trace.json.gz (for ui.perfetto.dev); log_dir is removed."""
+    def run():
+        for _ in range(steps):
+            jax.block_until_ready(call())
+
+    return _traced(run, steps, log_dir, keep_trace)[1]
+
+
+def trace_once(call, trace_path) -> tuple:
+    """Run `call()` once under the profiler -> (its result, the summary of `summarize_trace`
+    with steps=1). The Chrome trace is written to trace_path (a .trace.json.gz name)."""
+    trace_path = pathlib.Path(trace_path)
+    name = trace_path.name.removesuffix(".gz").removesuffix(".json").removesuffix(".trace")
+    log_dir = trace_path.with_name(name + ".profile-tmp")
+    result, summary = _traced(call, 1, log_dir, True)
+    if "trace" in summary:
+        pathlib.Path(summary["trace"]).replace(trace_path)
+        summary["trace"] = str(trace_path)
+    return result, summary
+
+
+def _traced(call, steps: int, log_dir, keep_trace: bool) -> tuple:
     log_dir = pathlib.Path(log_dir)
     if log_dir.exists():
         shutil.rmtree(log_dir)
     jax.profiler.start_trace(str(log_dir))
     try:
-        for _ in range(steps):
-            jax.block_until_ready(call())
+        result = jax.block_until_ready(call())
     finally:
         jax.profiler.stop_trace()
     found = sorted(log_dir.glob("plugins/profile/*/*.trace.json.gz"))
     if not found:
-        return {"error": f"no trace.json.gz under {log_dir}"}
+        return result, {"error": f"no trace.json.gz under {log_dir}"}
     with gzip.open(found[-1], "rb") as f:
         summary = summarize_trace(json.load(f), steps)
     if keep_trace:
@@ -198,7 +218,7 @@ def profile_calls(call, steps: int, log_dir, *, keep_trace: bool = True) -> dict
         shutil.copyfile(found[-1], kept)
         summary["trace"] = str(kept)
     shutil.rmtree(log_dir)  # the xplane too: large, and unreadable without the profiler plugin
-    return summary
+    return result, summary
 
 
 def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", top: int = 6) -> list[str]:

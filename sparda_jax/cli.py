@@ -117,6 +117,8 @@ def _load(args):
 def _cmd_generate(args) -> int:
     from .infer.generate import SamplingConfig, generate
 
+    if args.trace:
+        _check_output(args.trace)
     model = _load(args)
     tok = model.tokenizer
     if tok is None:
@@ -146,16 +148,40 @@ def _cmd_generate(args) -> int:
     from .infer.timing import StepTimer
 
     timer = StepTimer(then=stream)
+    run = lambda: generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
+                           dtype=model.dtype, on_step=timer, steps_per_call=args.steps_per_call, **kw)
     timer.start()
-    out = generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
-                   dtype=model.dtype, on_step=timer, steps_per_call=args.steps_per_call, **kw)
+    if args.trace:
+        from .bench.profile import trace_once
+
+        out, summary = trace_once(run, args.trace)
+    else:
+        out = run()
     timing = timer.timing(steps_per_call=args.steps_per_call, max_new_tokens=args.max_new_tokens)
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
     # the first decode call (compile, the copy library's build) apart from the steady state
     print(f"[{len(ids)} prompt tokens, {len(out[0])} new tokens in {timing.total_s:.1f} s: {timing.summary()}]",
           file=sys.stderr)
+    if args.trace:
+        _print_trace_summary(summary)
     return 0
+
+
+def _print_trace_summary(summary: dict, top: int = 12) -> None:
+    """--trace: where the traced call's time went, to stderr (the whole summary with the trace)."""
+    err = lambda s: print(s, file=sys.stderr)
+    if "error" in summary:
+        err(f"[trace] {summary['error']}")
+        return
+    err(f"[trace] {summary.get('trace')} ({summary.get('source')}: {summary.get('events', 0)} events, "
+        f"busy {summary.get('busy_s_per_step', 0):.3f} s of a {summary.get('span_s_per_step', 0):.3f} s span)")
+    for title, key in (("host events, most total time", "host_top"), ("device kernels", "top")):
+        rows = summary.get(key) or []
+        if rows:
+            err(f"[trace] {title}:")
+            for r in rows[:top]:
+                err(f"[trace]   {r['s_per_step']:9.3f} s  {r['calls_per_step']:7.0f} calls  {r['name']}")
 
 
 def _cmd_demo(args) -> int:
@@ -445,6 +471,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps-per-call", type=int, default=1,
                    help="tokens drawn per device program (sampling on the device, streamed after each call): "
                         "on a GPU at full depth, one program per step is bound by the host")
+    g.add_argument("--trace", metavar="FILE.trace.json.gz",
+                   help="profile the whole generate call (prefill, first decode call, the rest) into this "
+                        "Chrome trace (ui.perfetto.dev) and print where the time went")
     g.set_defaults(fn=_cmd_generate)
 
     d = sub.add_parser("demo", help="long-context retrieval on the default model (the README's main job)")

@@ -130,6 +130,51 @@ def test_generate_command_prints_the_first_call_apart(monkeypatch, capsys):
                    "steady 4.0 tok/s over 8 steps]")
 
 
+def test_generate_trace_writes_a_chrome_trace_and_a_summary(monkeypatch, capsys, tmp_path):
+    """--trace: the whole generate call runs under the profiler; the trace file holds the
+    programs it ran, and stderr says where the time went."""
+    import gzip
+    import json
+    import types
+
+    import jax
+    import jax.numpy as jnp
+
+    import sparda_jax.api as api
+    import sparda_jax.cli as cli
+    import sparda_jax.infer.generate as gen
+
+    class Tok:
+        eos_ids = (0,)
+        chat_prompt = staticmethod(lambda text: text)
+        encode = staticmethod(lambda text: [1, 2, 3])
+        decode = staticmethod(lambda ids: "x" * len(ids))
+
+    def fake_generate(params, config, prompts, sampling, *, on_step, **kw):
+        out = [[]]
+        for i in range(sampling.max_new_tokens):
+            jax.block_until_ready(jax.jit(lambda a: jnp.tanh(a @ a))(jnp.ones((64, 64)) * i))
+            out[0].append(i)
+            on_step(out)
+        return out
+
+    monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(tokenizer=Tok(), params=None, config=None,
+                                                                         dtype=None))
+    monkeypatch.setattr(api, "prepare_modes", lambda model, modes, seed: {})
+    monkeypatch.setattr(gen, "generate", fake_generate)
+    path = tmp_path / "gen.trace.json.gz"
+    assert cli.main(["--no-compile-cache", "generate", "--prompt", "hi", "--max-new-tokens", "3",
+                     "--trace", str(path)]) == 0
+    with gzip.open(path, "rb") as f:
+        events = json.load(f)["traceEvents"]
+    assert any("tanh" in str(e.get("name", "")) or "dot" in str(e.get("name", "")) for e in events)
+    assert not list(tmp_path.glob("*.profile-tmp"))  # the profiler's folder is removed
+    err = capsys.readouterr().err
+    assert f"[trace] {path}" in err and "events" in err
+    assert cli.main(["generate", "--prompt", "hi", "--trace", str(tmp_path)]) == 2  # before any work
+    assert "is a directory" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("system", ["sparda", "dense_resident", None])
 def test_the_decode_program_compiles_once(system, caplog):
     """The first decode step is fed the prefill's outputs, later ones the previous step's; both

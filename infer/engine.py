@@ -34,7 +34,8 @@ from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_bool, check_instance, check_int
 from sparda_jax.model import (DecoderLayer, check_layers, commit_to_params_device, embed, per_layer, rope_tables,
                               stacked, unembed)
-from sparda_jax.modes import decode_program, decode_step_plan, layer_inputs, layered_state, prefill
+from sparda_jax.modes import (check_lead_forecast, decode_program, decode_step_plan, layer_inputs, layered_state,
+                              prefill)
 from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_step, partial_keys, run_layers, \
     select_blocks
 from sparda_jax.runtime import warn_if_default_launch_queues
@@ -139,6 +140,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     block cache. Returns (last logits [B, V], state): for resident systems one
     `DecodeState` per layer (`layered_state`), for offload systems an `OffloadState`.
     `cache_size` is rounded up to whole blocks."""
+    check_lead_forecast(config, engine.selector, "the engine")
     bs = config.sparse.block_size
     cache_size = -(-cache_size // bs) * bs
     last, st = prefill(params, tokens, lengths, config, cache_size=cache_size, mode=engine.selector,

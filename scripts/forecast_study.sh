@@ -4,6 +4,7 @@
 #
 #   source scripts/device_setup.sh            # joins the GGUF, unpacks the corpus into /root/data
 #   bash scripts/forecast_study.sh ablate     # start the ablation runs (STEPS each, in parallel)
+#   bash scripts/forecast_study.sh ablate2    # the second set: mix_norest src_mid src_own len8k
 #   bash scripts/forecast_study.sh main       # start (or resume) the long run to MAIN_STEPS
 #   bash scripts/forecast_study.sh start NAME [N]  # one run of the table below, N steps
 #   bash scripts/forecast_study.sh status     # each run's step, loss, recall; GPU memory
@@ -22,6 +23,9 @@
 #   fine_main   mix with the (2, 1) teacher, for a long run (start fine_main MAIN_STEPS)
 #   main        mix, trained on from its last checkpoint to MAIN_STEPS
 #   cont        mix, started from the shipped Forecast (fresh optimizer, other windows: seed 1)
+#   src_mid     mix, the Forecast reading layer l-1's state after its attention (--forecast-source prev_mid)
+#   src_own     mix, the Forecast reading layer l's own input: no lead (--forecast-source own_input)
+#   len8k       mix on 8K windows, 4 a step (the same tokens a step)
 set -u
 DATA=${DATA:-/root/data}
 RUNS=${RUNS:-/root/study}
@@ -41,6 +45,9 @@ flags() {
     mix_norest) echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --no-rest-bucket" ;;
     fine_main) echo "--data $DATA --teacher 2 1 --repeat-share 0.25 --scatter-share 0.25" ;;
     main)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25" ;;
+    src_mid)  echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --forecast-source prev_mid" ;;
+    src_own)  echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --forecast-source own_input" ;;
+    len8k)    echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     cont)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
@@ -117,6 +124,7 @@ collect() {  # at most 8 files of at most 16 MiB come back from a call: records 
 phase=${1:-status}; shift || true
 case "$phase" in
   ablate) for n in pydocs corpus mix mix_fine mix_k256; do start "$n" "$STEPS"; done ;;
+  ablate2) for n in mix mix_norest src_mid src_own len8k; do start "$n" "$STEPS"; done ;;
   main)  # the long run goes on from the mix run's last checkpoint (the same recipe)
     if [ ! -d "$RUNS/main" ] && [ -d "$RUNS/mix/checkpoints" ]; then
       mkdir -p "$RUNS/main" && cp -r "$RUNS/mix/checkpoints" "$RUNS/mix/config.json" "$RUNS/mix/metrics.jsonl" "$RUNS/main/"

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import FORECAST_SOURCES
 from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, enable_compilation_cache, set_launch_queues, write_result
 
 __all__ = ["main"]
@@ -233,8 +234,13 @@ def _cmd_eval(args) -> int:
     out = Path(args.out) if args.out else None
     forecast = args.forecast if args.forecast == "random" else None
     if args.forecast and args.forecast != "random":
-        from .io.forecast_file import load_forecast
+        import dataclasses
 
+        from .io.forecast_file import forecast_file_source, load_forecast
+
+        # an ablation's Forecast reads another state (ForecastConfig.source): run it as trained
+        model.config = model.config.replace(forecast=dataclasses.replace(
+            model.config.forecast, source=forecast_file_source(args.forecast)))
         forecast = load_forecast(args.forecast, model.config)
 
     def save(result, complete: bool):
@@ -348,6 +354,9 @@ def _cmd_train(args) -> int:
             model.config.forecast, supervision_k=args.supervision_k))
     if not args.rest_bucket:
         model.config = model.config.replace(forecast=dataclasses.replace(model.config.forecast, rest_bucket=False))
+    if args.forecast_source != "prev_input":
+        model.config = model.config.replace(forecast=dataclasses.replace(model.config.forecast,
+                                                                         source=args.forecast_source))
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
     tc = TrainConfig(seq_len=args.seq_len, batch=args.batch, micro_batch=args.micro_batch, steps=args.steps,
                      lr=args.lr, dtype=args.train_dtype, seed=args.seed)
@@ -532,6 +541,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="teacher positions kept apart in the loss, on the compressed grid (default: the preset's)")
     t.add_argument("--no-rest-bucket", dest="rest_bucket", action="store_false",
                    help="ablation: the loss compares the kept positions alone (no bucket for the rest)")
+    t.add_argument("--forecast-source", choices=FORECAST_SOURCES, default="prev_input",
+                   help="ablation: the state the Forecast of layer l reads: prev_input (SparDA: layer l-1's "
+                        "normed input), prev_mid (layer l-1's normed state after its attention), own_input "
+                        "(layer l's own input: no lead; forward-only)")
     t.add_argument("--repeat-share", type=float, default=0.0,
                    help="share of training windows given a long-range repeated span (train.augment)")
     t.add_argument("--scatter-share", type=float, default=0.0,

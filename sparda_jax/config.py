@@ -29,6 +29,7 @@ __all__ = [
     "LongRoPEConfig",
     "SparseConfig",
     "ForecastConfig",
+    "FORECAST_SOURCES",
     "ModelConfig",
     "Implementations",
     "IMPLEMENTATION_NAMES",
@@ -38,6 +39,7 @@ __all__ = [
 ]
 
 Arch = Literal["llama", "minicpm", "nosa"]
+FORECAST_SOURCES: tuple[str, ...] = ("prev_input", "prev_mid", "own_input")
 
 
 class ConfigError(ValueError):
@@ -219,6 +221,10 @@ class ForecastConfig:
 
     `supervision_k` counts COMPRESSED positions on the (kernel_size, kernel_stride) grid, not
     64-token blocks: it is the size of the teacher's kept set in the partition KL.
+    `source`: the state the Forecast selecting layer l reads (FORECAST_SOURCES). SparDA's is
+    "prev_input", layer l-1's normed input, known before layer l-1 attends (the prefetch's lead);
+    "prev_mid" (layer l-1's normed state after its attention) and "own_input" (layer l's own
+    normed input: no lead) are accuracy ablations that only the prefill-style forward runs.
     """
 
     teacher_kernel_size: int = 2
@@ -226,12 +232,15 @@ class ForecastConfig:
     supervision_k: int = 256
     init_std: float = 0.02
     rest_bucket: bool = True  # the loss's bucket for the teacher's mass outside the kept set
+    source: str = "prev_input"
 
     def __post_init__(self):
         c = "ForecastConfig"
         for name in ("teacher_kernel_size", "teacher_kernel_stride", "supervision_k"):
             check_int(c, name, getattr(self, name), lo=1)
         check_bool(c, "rest_bucket", self.rest_bucket)
+        if not isinstance(self.source, str) or self.source not in FORECAST_SOURCES:
+            _fail(c, "source", f"must be one of {', '.join(FORECAST_SOURCES)}, got {self.source!r}")
         check_float(c, "init_std", self.init_std, lo=0, lo_open=True)
         if self.teacher_kernel_size < self.teacher_kernel_stride:
             _fail(c, "teacher_kernel_size", "must be >= teacher_kernel_stride")

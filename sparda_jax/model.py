@@ -188,9 +188,14 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x, attn):
         """attn [B, T, H, Dh] -> the layer's output [B, T, D]."""
+        return self.finish_mid(x, attn)[0]
+
+    def finish_mid(self, x, attn):
+        """-> (the layer's output, its normed state after attention, the MLP's input) [B, T, D]."""
         r = self.config.residual_scale
         x = x + r * self.o_proj(attn).astype(x.dtype)
-        return x + r * self.mlp(self.mlp_norm(x)).astype(x.dtype)
+        mid = self.mlp_norm(x)
+        return x + r * self.mlp(mid).astype(x.dtype), mid
 
     def __call__(self, x, cos, sin):
         _, q, k, v = self.project(x, cos, sin)

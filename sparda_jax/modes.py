@@ -52,6 +52,15 @@ def _validate(config: ModelConfig, mode: str, forecast, infinigen, implementatio
         raise TypeError(f"implementations must be a sparda_jax.Implementations, got {type(implementations).__name__}")
 
 
+def check_lead_forecast(config: ModelConfig, mode: str, path: str) -> None:
+    """NotImplementedError for a sparda run whose Forecast reads another state than the previous
+    layer's input (an ablation): `path` selects the next layer's blocks from that input only."""
+    if mode == "sparda" and config.forecast.source != "prev_input":
+        raise NotImplementedError(f"{path} runs the Forecast on the previous layer's input (forecast.source "
+                                  f"'prev_input'); source {config.forecast.source!r} is an accuracy ablation "
+                                  f"that only `forward` runs")
+
+
 def layer_inputs(params, forecast, infinigen, *, unroll: bool = False):
     """Each layer's `LayerIn`: the backbone's layer params, the selector kernel that picks the
     layer's blocks (sparda), the InfiniGen projection, and `first` (layer 0). Stacked on a
@@ -73,6 +82,7 @@ class LayerView(NamedTuple):
     """What a `tap` sees of one layer during `forward` (all traced arrays).
 
     h, h_prev: this and the previous layer's normed input [B, T, D] (h_prev is 0 at layer 0);
+    mid_prev: the previous layer's normed state after its attention (0 at layer 0);
     q [B, T, H, Dh], k, v [B, T, K, Dh]: post-RoPE queries and keys, values; positions [B, T];
     cos, sin: RoPE tables; sel: this layer's selector kernel (F0_cur or F_{l-1}) or None;
     first: a traced bool, true at layer 0.
@@ -80,6 +90,7 @@ class LayerView(NamedTuple):
 
     h: jax.Array
     h_prev: jax.Array
+    mid_prev: jax.Array
     q: jax.Array
     k: jax.Array
     v: jax.Array
@@ -99,13 +110,17 @@ def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool
     cos, sin = rope_tables(c, positions)
     ctx = Ctx(DecoderLayer(c, dtype=plan.dtype), cos, sin, positions, -(-t // c.sparse.block_size))
 
+    # the previous layer's state a sparda selection reads (config.forecast.source)
+    sel_mid = plan.mode == "sparda" and c.forecast.source == "prev_mid"
+
     def body(carry, lin):
-        x, h_prev = carry
+        x, h_prev, mid_prev = carry
         # Masks built from positions alone are the same in every layer: XLA hoists them out of
         # the layer loop and materializes them for all query chunks at once ([T, T]-sized).
         # Tying positions to this layer's input keeps them inside.
         pos, x = jax.lax.optimization_barrier((positions, x))
-        x, _, out = layer_step(plan, ctx._replace(positions=pos), lin, x, h_prev, PromptKV())
+        x, _, out = layer_step(plan, ctx._replace(positions=pos), lin, x, mid_prev if sel_mid else h_prev,
+                               PromptKV())
         p, aux = out.p, {}
         if return_kv:
             aux["k"], aux["v"] = p.k, p.v
@@ -116,11 +131,12 @@ def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool
         if plan.collect:
             aux["ids"], aux["oracle"] = out.ids, out.oracle
         if tap is not None:
-            aux["tap"] = tap(LayerView(p.h, h_prev, p.q, p.k, p.v, pos, cos, sin, lin.sel, lin.first))
-        return (x, p.h), aux
+            aux["tap"] = tap(LayerView(p.h, h_prev, mid_prev, p.q, p.k, p.v, pos, cos, sin, lin.sel, lin.first))
+        return (x, p.h, out.mid), aux
 
     x = embed(params, tokens, c, plan.dtype)
-    (x, _), aux = run_layers(body, (x, jnp.zeros_like(x)), layer_inputs(params, forecast, infinigen), unroll=False)
+    zero = jnp.zeros_like(x)
+    (x, _, _), aux = run_layers(body, (x, zero, zero), layer_inputs(params, forecast, infinigen), unroll=False)
     if logits_at is not None:  # only these rows reach the LM head ([B, T, vocab] is huge at long T)
         x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
     return (unembed(params, x, c) if return_logits else None), aux
@@ -254,6 +270,7 @@ def decode_step_plan(params, positions, state, config: ModelConfig, *, mode: Mod
     (`decode_program(params, tokens[:, None], positions[:, None], state, ..., plan=plan)`).
     positions: every position the plan will decode (host-side)."""
     _validate(config, mode, forecast, infinigen, implementations)
+    check_lead_forecast(config, mode, "the cached decode")
     check_layers(params, config)
     if dense is None:
         dense = mode == "dense" or int(np.max(np.asarray(positions))) + 1 < config.sparse.dense_len

@@ -124,10 +124,12 @@ def partial_keys(k, ig):
 
 def selector_input(plan: Plan, ctx: Ctx, lin: LayerIn, h, h_prev):
     """sparda: the Forecast that selects this layer (F0_cur on h at layer 0, else F_{l-1} on
-    h_prev); infinigen: the partial queries of layer l's W_q on layer l-1's input; else None."""
+    h_prev, the previous layer's state its `forecast.source` names; "own_input": on h in every
+    layer); infinigen: the partial queries of layer l's W_q on layer l-1's input; else None."""
     c = plan.config
     if plan.mode == "sparda":
-        src = h if lin.first is True else h_prev if lin.first is False else jnp.where(lin.first, h, h_prev)
+        first = True if c.forecast.source == "own_input" else lin.first
+        src = h if first is True else h_prev if first is False else jnp.where(first, h, h_prev)
         return forecast_from_hidden(src, lin.sel, ctx.cos, ctx.sin, plan.dtype)
     if plan.mode == "infinigen" and lin.first is not True:  # layer 0 selects from its own queries
         q_spec = ctx.layer.apply({"params": lin.params}, h_prev, ctx.cos, ctx.sin, method="query")
@@ -244,18 +246,22 @@ class DecodeState(struct.PyTreeNode):
 class StepOut(NamedTuple):
     """What `layer_step` returns besides the layer's output: its projections, its selection
     (None when dense), the oracle's (with plan.collect), the prefetch started for the next
-    layer (engine), and the source's counters."""
+    layer (engine), the source's counters, and the normed state after attention (the MLP's
+    input; what a "prev_mid" Forecast of the next layer reads)."""
 
     p: Projected
     ids: jax.Array | None
     oracle: jax.Array | None
     started: Any
     info: dict
+    mid: jax.Array
 
 
 def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=None, prefetch=None):
     """One decoder layer: x [B, T, D] -> (x, src, StepOut).
 
+    h_prev: the previous layer's state the selector reads (its normed input; for a sparda plan
+    whose `forecast.source` is "prev_mid", its `StepOut.mid`); zeros at layer 0.
     src: the layer's KV source (`PromptKV`, `DecodeState`, the engine's `OffloadKV`).
     pending: this layer's selection and copy, started by the previous layer (the engine's
     prefetch); the layer then selects nothing itself. prefetch: (next layer's source, its
@@ -276,8 +282,8 @@ def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=No
         nxt, nxt_lin = prefetch
         started, q = nxt.prefetch(plan, ctx, nxt_lin, p.h, q)
     attn, src, info = src.attend(plan, ctx, q, ids, keys, p, pending=pending, after=started)
-    x = ctx.layer.apply({"params": lin.params}, x, attn, method="finish")
-    return x, src, StepOut(p, ids, oracle, started, info)
+    x, mid = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
+    return x, src, StepOut(p, ids, oracle, started, info, mid)
 
 
 def run_layers(body: Callable, carry, xs, *, unroll: bool):

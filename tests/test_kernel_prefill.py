@@ -198,3 +198,24 @@ def test_compiled_matches_reference_minicpm_size():
         out = jax.jit(sparse_prefill_attention)(q, k, v, ids, pos, bias=bias)
         _check_against_reference(out, q, k, v, ids, pos, bias)
     print(union_stats(ids, h // kh))
+
+
+@gpu
+def test_compiled_matches_reference_smollm2_size():
+    """SmolLM2-135M's layer shape (9 query heads on 3 KV heads, head dim 64) at 4K with its
+    InfLLM-V2 selection (1 init + 8 local + 15 by content): the head dim the compiled kernel
+    must pass before `sparse_attention` routes head dim 64 to it."""
+    from sparda_jax import SparseConfig
+    from sparda_jax.compress import compress_keys
+    from sparda_jax.select import select_blocks_infllmv2
+
+    b, t, h, kh, d = 2, 4096, 9, 3, 64
+    ks = jax.random.split(jax.random.key(1), 3)
+    q, k, v = (jax.random.normal(kk, sh).astype(jnp.bfloat16)
+               for kk, sh in zip(ks, ((b, t, h, d), (b, t, kh, d), (b, t, kh, d))))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    sp = SparseConfig(local_blocks=8, topk=24, dense_len=0)
+    ids = jax.jit(functools.partial(select_blocks_infllmv2, sparse=sp))(q, compress_keys(k, 32, 16), pos)
+    out = jax.jit(sparse_prefill_attention)(q, k, v, ids, pos)
+    _check_against_reference(out, q, k, v, ids, pos, None)
+    print(union_stats(ids, h // kh))

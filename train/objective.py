@@ -28,8 +28,8 @@ __all__ = ["ForecastLossTap", "TrainConfig", "TrainState", "forecast_loss", "mak
 @dataclasses.dataclass(frozen=True)
 class ForecastLossTap:
     """Per layer: the partition KL of the Forecast that selects this layer (F0_cur on h at layer
-    0, else F_{l-1} on the previous layer's normed input) against this layer's teacher.
-    Returns (KL summed over rows, rows)."""
+    0, else F_{l-1} on the previous layer's state that `config.forecast.source` names) against
+    this layer's teacher. Returns (KL summed over rows, rows)."""
 
     config: ModelConfig
     dtype: str = "float32"
@@ -41,7 +41,9 @@ class ForecastLossTap:
         check_int("ForecastLossTap", "q_chunk", self.q_chunk, lo=1)
 
     def __call__(self, view: LayerView):
-        f = forecast_from_hidden(jnp.where(view.first, view.h, view.h_prev), view.sel, view.cos, view.sin,
+        source = self.config.forecast.source
+        prev = {"prev_input": view.h_prev, "prev_mid": view.mid_prev, "own_input": view.h}[source]
+        f = forecast_from_hidden(jnp.where(view.first, view.h, prev), view.sel, view.cos, view.sin,
                                  jnp.dtype(self.dtype))
         return layer_loss(f, view.q, view.k, view.positions, self.config.sparse, self.config.forecast,
                           q_chunk=self.q_chunk)

@@ -14,7 +14,7 @@ from safetensors.numpy import save_file
 from ..config import ModelConfig
 from .convert import CheckpointError
 
-__all__ = ["save_forecast", "load_forecast", "shipped_forecast_path", "default_forecast"]
+__all__ = ["save_forecast", "load_forecast", "forecast_file_source", "shipped_forecast_path", "default_forecast"]
 
 _WEIGHTS = Path(__file__).resolve().parent.parent / "weights"
 
@@ -33,7 +33,8 @@ def save_forecast(path: str | Path, forecast: dict, config: ModelConfig, *, meta
     for name, shape in _shapes(config).items():
         if tensors[name].shape != shape:
             raise ValueError(f"Forecast {name} has shape {tensors[name].shape}, {config.name} needs {shape}")
-    meta = {"model": config.name, "format": "sparda-forecast-v1", "extra": json.dumps(metadata or {})}
+    meta = {"model": config.name, "format": "sparda-forecast-v1", "source": config.forecast.source,
+            "extra": json.dumps(metadata or {})}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path), metadata=meta)
@@ -44,8 +45,9 @@ def load_forecast(path: str | Path, config: ModelConfig) -> dict:
     """Read a Forecast file and check it against the config. Returns float32 params.
 
     Raises FileNotFoundError for a missing file, and CheckpointError (a ValueError) naming the
-    file for one that is not safetensors, holds other tensors or shapes, or (naming the tensor
-    too) holds a NaN or inf: such a Forecast would select blocks at random.
+    file for one that is not safetensors, holds other tensors or shapes, (naming the tensor
+    too) holds a NaN or inf: such a Forecast would select blocks at random, or was trained on
+    another input state than `config.forecast.source` (`forecast_file_source` reads it).
     """
     path = Path(path)
     if not path.is_file():
@@ -68,8 +70,25 @@ def load_forecast(path: str | Path, config: ModelConfig) -> dict:
         bad = int(np.size(arrays[name]) - np.count_nonzero(np.isfinite(arrays[name])))
         if bad:
             raise CheckpointError(f"{path}: tensor {name} has {bad} non-finite values (NaN or inf)")
+    source = meta.get("source", "prev_input")  # files before the field: SparDA's input
+    if source != config.forecast.source:
+        raise CheckpointError(f"{path}: this Forecast reads {source!r}, the config's forecast.source is "
+                              f"{config.forecast.source!r}; set it to the file's (forecast_file_source)")
     out = {n: jnp.asarray(a) for n, a in arrays.items()}
     return {"f0_cur": {"kernel": out["f0_cur"]}, "f": {"kernel": out["f"]}}
+
+
+def forecast_file_source(path: str | Path) -> str:
+    """The input state a Forecast file was trained on (`ForecastConfig.source`); "prev_input"
+    for files written before it was recorded. Unreadable files: CheckpointError, as load_forecast."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Forecast file not found: {path}")
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return (f.metadata() or {}).get("source", "prev_input")
+    except Exception as e:
+        raise CheckpointError(f"{path}: not a readable safetensors file ({type(e).__name__}: {e})") from e
 
 
 def shipped_forecast_path(config: ModelConfig) -> Path | None:

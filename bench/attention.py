@@ -15,12 +15,27 @@ Decode (batch >= 16, one query per sequence at the end of the context):
                  blocks in flight) and N KV splits (mosaic_gpu@s2 is s2n4, kept for old results)
   cudnn       dense decode through key_value_seq_lengths
   -> bytes of selected K/V read per second over the HBM bandwidth of a large copy (read + write).
+Train (`--train-only`; batch and selections as prefill): the value and the gradients in q, k, v of
+the loss sum(out * ct) (ct a random bf16 cotangent [B, T, H, D]), forward + backward in one jit:
+  mosaic_gpu  sparse_attention's custom VJP with the Mosaic prefill kernel and its Mosaic backward
+              kernels, full T;  xla  the same VJP with the jnp forward and backward, on the query
+              slice and scaled;  cudnn  jax.nn.dot_product_attention(implementation="cudnn"),
+              causal, full T;  dense_xla  autodiff of the chunked jnp dense reference on the query
+              slice, skipped (with the reason) where its compiled program needs more device memory
+              than is free.
+  -> ms per layer for forward + backward, and the dense baseline's time over each sparse
+     variant's (cuDNN's on the GPU); goal at 128K: TRAIN_TARGET. Before any timing, each sparse
+     variant's gradients are checked at one small size (`train_grad_check`) against autodiff of
+     the jnp forward in f32; a variant that fails it is reported and not timed. Each timed case
+     also checks dq on a few rows of the last sequence (the largest offsets) against that
+     autodiff, and that every gradient is finite.
 Every variant is checked against the f32 reference before it is timed; a failed check keeps its
 time but is flagged and excluded from "best". Block ids come from a real selector (the XLA
 Forecast selector) on random inputs: random weights choose nearly random content blocks, the
 worst case for the prefill kernel's per-tile block union, which is measured and reported.
 
     sparda bench attention --out bench/results/attention/attention.json
+    sparda bench attention --train-only --query-correlation 0.99 --out bench/results/attention/train.json
 """
 
 from __future__ import annotations
@@ -29,6 +44,7 @@ import functools
 import re
 import math
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -45,7 +61,8 @@ from sparda_jax.ops.sparse_attention.prefill import tile_tokens_for
 from sparda_jax.metrics import tile_blowup, tile_union
 from sparda_jax.select import select_blocks_forecast
 
-__all__ = ["bench_attention", "prefill_case", "decode_case", "model_shape", "plot", "table"]
+__all__ = ["bench_attention", "prefill_case", "decode_case", "train_case", "train_grad_check", "model_shape", "plot",
+           "table"]
 
 # The kernels under test run last in each case: a fault that kills the process then loses only
 # them, and the JSON snapshot written after every variant keeps the rest.
@@ -73,6 +90,12 @@ INTERPRETED = ("mosaic_gpu_interpret",)  # the kernels run by the CPU interprete
 # correct bf16 kernel stays near 4e-3, a wrong block or mask gives O(1).
 REL_ERR_BOUND = 2e-2
 PREFILL_TARGET = 0.5  # sparse effective TFLOP/s / cuDNN dense TFLOP/s
+TRAIN_VARIANTS = ("xla", "dense_xla", "cudnn", "mosaic_gpu")
+TRAIN_TARGET = 3.0        # cuDNN forward + backward time / sparse forward + backward time, at TRAIN_GOAL_T
+TRAIN_GOAL_T = 131072
+PAPER_TRAIN_SPEEDUP = 4.61  # InfLLM-V2 over FlashAttention, forward + backward at 128K on an H100
+# forward 4 D flops per (query head, attended key), backward 10 D (QK^T again, dV, dP, dQ, dK)
+TRAIN_FLOP_FACTOR = 3.5
 DECODE_TARGET = 0.7   # selected K/V bytes/s / HBM copy bandwidth
 BF16 = jnp.bfloat16
 
@@ -276,6 +299,235 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
     return res
 
 
+def _sparse_attend(q, k, v, ids, pos, *, block_size, implementation):
+    return sparse_attention(q, k, v, ids, pos, block_size=block_size, implementation=implementation)
+
+
+def _sparse_ref_attend(q, k, v, ids, pos, *, block_size):
+    # the plain jnp forward: autodiff through it never meets the custom VJP's backward
+    return sparse_attention_reference(q, k, v, ids, pos, block_size=block_size)
+
+
+def _cudnn_attend(q, k, v, ids, pos):
+    return dense_attention(q, k, v, implementation="cudnn")
+
+
+def _dense_ref_attend(q, k, v, ids, pos):
+    return dense_attention_reference(q, k, v, pos)
+
+
+DENSE_TRAIN = ("cudnn", "dense_xla")
+
+
+def _train_attend(name: str, block_size: int):
+    """Train variant `name` as (q, k, v, ids, pos) -> out. Raises ValueError for an unknown name."""
+    if name in SPARSE + INTERPRETED:
+        return functools.partial(_sparse_attend, block_size=block_size, implementation=name)
+    if name == "cudnn":
+        return _cudnn_attend
+    if name == "dense_xla":
+        return _dense_ref_attend
+    raise ValueError(f"unknown train variant {name!r}; known: {TRAIN_VARIANTS + INTERPRETED}")
+
+
+def _train_step(attend):
+    """jit of (q, k, v, ct, ids, pos) -> (loss, (dq, dk, dv)), loss = sum(attend(q, k, v, ids, pos)
+    * ct) in float32: one layer's attention in a training step, forward and backward. Every array
+    is an argument (a closed-over one would be baked into the program as a constant)."""
+    def run(q, k, v, ct, ids, pos):
+        def loss(q_, k_, v_):
+            return jnp.sum(attend(q_, k_, v_, ids, pos).astype(jnp.float32) * ct.astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(run)
+
+
+def _memory_fit(compiled) -> tuple[float | None, str | None]:
+    """(GiB a compiled program allocates besides its arguments, or None where XLA does not say;
+    a skip reason when that exceeds the device's free memory, else None). Devices without memory
+    statistics (the CPU) are never refused."""
+    try:
+        m = compiled.memory_analysis()
+        need = m.temp_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+    except Exception:  # noqa: BLE001 - no analysis on this backend: run it and see
+        return None, None
+    stats = jax.devices()[0].memory_stats() or {}
+    if "bytes_limit" not in stats:
+        return need / 2**30, None
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    if need > free:
+        return need / 2**30, (f"skipped: needs {need / 2**30:.1f} GiB of device memory besides its inputs, "
+                              f"{free / 2**30:.1f} GiB free")
+    return need / 2**30, None
+
+
+def train_grad_check(name: str, shape: dict, *, t: int, queries: int, batch: int = 1, seed: int = 0,
+                     query_correlation: float = 0.0, bound: float = REL_ERR_BOUND) -> dict:
+    """Sparse train variant `name`'s gradients (dq, dk, dv of sum(out * ct), bf16 inputs) against
+    autodiff of the plain jnp forward (`sparse_attention_reference`, the same inputs in float32,
+    highest matmul precision) for `queries` queries at the end of a `t`-token context, batch
+    `batch`, block ids chosen as in the timed cases.
+
+    Returns {"T", "queries", "batch", "bound", "dq", "dk", "dv" (each `rel_check`: relative
+    Frobenius and max abs error), "max_rel_err", "max_abs_err", "loss_abs_err", "passed",
+    "status"}: status "ok", "grad_check_failed", or "unavailable: ..." (the variant cannot run
+    here; then only T, queries, batch, bound, passed and status)."""
+    if not 0 < queries <= t:
+        raise ValueError(f"the gradient check needs 0 < queries <= t, got queries={queries}, t={t}")
+    h, kh, d, sp = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["sparse"]
+    bs = sp.block_size
+    kq, kk, kv, kf, kc = jax.random.split(jax.random.key(seed * 7919 + 17 * t + queries), 5)
+    q, ct = _rand(kq, (batch, queries, h, d)), _rand(kc, (batch, queries, h, d))
+    k, v = _rand(kk, (batch, t, kh, d)), _rand(kv, (batch, t, kh, d))
+    pos = jnp.broadcast_to(jnp.arange(t - queries, t, dtype=jnp.int32), (batch, queries))
+    ids = _forecast_ids(kf, k, pos, sparse=sp, n_blocks=-(-t // bs), rho=query_correlation)
+    rec = {"T": t, "queries": queries, "batch": batch, "bound": bound}
+    try:
+        loss, got = jax.block_until_ready(_train_step(_train_attend(name, bs))(q, k, v, ct, ids, pos))
+    except Exception as e:  # noqa: BLE001 - e.g. no Hopper GPU here
+        return rec | {"passed": False, "status": unavailable(e)}
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    with jax.default_matmul_precision("highest"):
+        want_loss, want = _train_step(functools.partial(_sparse_ref_attend, block_size=bs))(*f32, ct, ids, pos)
+    for gname, a, w in zip(("dq", "dk", "dv"), got, want):
+        rec[gname] = rel_check(a, w, bound)
+    chk = [rec[g] for g in ("dq", "dk", "dv")]
+    rec["max_rel_err"] = max(c["rel_err"] for c in chk)
+    rec["max_abs_err"] = max(c["max_abs_err"] for c in chk)
+    # the loss, a sum of signed terms, can be near zero: its error is recorded, not judged
+    rec["loss_abs_err"] = abs(float(loss) - float(want_loss))
+    rec["passed"] = all(c["passed"] for c in chk)
+    rec["status"] = "ok" if rec["passed"] else "grad_check_failed"
+    return rec
+
+
+def _train_check(o, rows, ref, seq: int) -> dict:
+    """dq on `rows` of sequence `seq` against the reference's, and every gradient and the loss finite."""
+    loss, (dq, dk, dv) = o
+    chk = rel_check(dq[seq:seq + 1, rows], ref, REL_ERR_BOUND)
+    finite = bool(jnp.isfinite(loss)) and all(bool(jnp.all(jnp.isfinite(x))) for x in (dq, dk, dv))
+    chk["grads_finite"] = finite
+    chk["passed"] = bool(chk["passed"] and finite)
+    return chk
+
+
+def train_case(t: int, b: int, shape: dict, ceil: dict, *, variants=TRAIN_VARIANTS, repeats: int = 3,
+               timed_queries: int | None = 2048, max_s: float = 3.0, budget: Budget | None = None,
+               check_rows: int = 64, seed: int = 0, out_rec: dict | None = None, snapshot=None,
+               query_correlation: float = 0.0, blocked: dict | None = None) -> dict:
+    """One layer's attention forward + backward at context t, batch b, on the prefill case's inputs
+    and block ids (`prefill_case`), with a random bf16 cotangent. blocked: {variant: status} of
+    variants not to time (a failed or unavailable gradient check); they keep that status.
+    `out_rec` (filled per variant) and `snapshot()` (called after each) as in `prefill_case`."""
+    h, kh, d, sp = shape["heads"], shape["kv_heads"], shape["head_dim"], shape["sparse"]
+    g, bs = h // kh, sp.block_size
+    kq, kk, kv, kf = jax.random.split(jax.random.key(seed * 7919 + t + b), 4)
+    q, k, v = _rand(kq, (b, t, h, d)), _rand(kk, (b, t, kh, d)), _rand(kv, (b, t, kh, d))
+    ct = _rand(jax.random.fold_in(kq, 1), (b, t, h, d))
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    ids = jax.block_until_ready(_forecast_ids(kf, k, pos, sparse=sp, n_blocks=-(-t // bs), rho=query_correlation))
+
+    att = np.asarray(attended_keys(ids, pos, block_size=bs)).astype(np.int64)  # [b, kh, t]
+    n_ids = np.asarray(jnp.sum(ids >= 0, axis=-1)).astype(np.int64)
+    flops_att = TRAIN_FLOP_FACTOR * 4.0 * d * g * att.sum()
+    flops_dense = TRAIN_FLOP_FACTOR * 4.0 * b * h * d * t * t / 2
+    io_bytes = 2.0 * (3 * q.size + 4 * k.size) + 4.0 * ids.size  # q, ct, dq, k, v, dk, dv, ids once each
+
+    sl = query_slice(t, timed_queries)
+    cp = _check_positions(sl, check_rows)
+    sl_j, cp_j, cpsl_j = jnp.asarray(sl), jnp.asarray(cp), jnp.asarray(np.searchsorted(sl, cp))
+    slice_scale = t / len(sl)
+    sl_att = np.asarray(att[:, :, sl]).sum()
+    seq = b - 1  # the last sequence: the largest offsets into q, ct and the gradients
+
+    refs = {}
+
+    def ref(kind):
+        # dq of the checked rows by autodiff of the jnp forward on those rows alone (a query's dq
+        # depends on its own row only); f32 queries, bf16 K/V upcast inside
+        if kind not in refs:
+            attend = functools.partial(_sparse_ref_attend, block_size=bs) if kind == "sparse" else _dense_ref_attend
+
+            def loss(q_, k_, v_, ids_, pos_, ct_):
+                return jnp.sum(attend(q_, k_, v_, ids_, pos_) * ct_.astype(jnp.float32))
+            with jax.default_matmul_precision("highest"):
+                refs[kind] = jax.jit(jax.grad(loss))(q[seq:seq + 1, cp_j].astype(jnp.float32), k[seq:seq + 1],
+                                                     v[seq:seq + 1], ids[seq:seq + 1, :, cp_j],
+                                                     pos[seq:seq + 1, cp_j], ct[seq:seq + 1, cp_j])
+        return refs[kind]
+
+    blocked = blocked or {}
+    out_rec = {} if out_rec is None else out_rec
+    snapshot = snapshot or (lambda: None)
+    for name in variants:
+        if budget is not None and budget.exceeded():
+            out_rec[name] = {"status": budget.reason()}
+            continue
+        if name in blocked:
+            out_rec[name] = {"status": blocked[name]}
+            continue
+        full = name not in ("xla", "dense_xla")
+        args = ((q, k, v, ct, ids, pos) if full else
+                (q[:, sl_j], k, v, ct[:, sl_j], ids[:, :, sl_j], pos[:, sl_j]))
+        try:
+            t0 = time.perf_counter()
+            compiled = _train_step(_train_attend(name, bs)).lower(*args).compile()
+            compile_s = time.perf_counter() - t0
+            need, reason = _memory_fit(compiled)
+            if reason is None:
+                r = ref("dense" if name in DENSE_TRAIN else "sparse")
+        except Exception as e:  # noqa: BLE001
+            out_rec[name] = {"status": unavailable(e)}
+            snapshot()
+            continue
+        if reason is not None:
+            out_rec[name] = {"status": reason, "memory_gib": need}
+            snapshot()
+            continue
+        if name in DENSE_TRAIN:
+            keys = float(np.sum(sl.astype(np.int64) + 1))  # the slice's causal keys per (sequence, head)
+            flops = flops_dense if full else TRAIN_FLOP_FACTOR * 4.0 * h * d * keys * b
+        else:
+            flops = flops_att if full else TRAIN_FLOP_FACTOR * 4.0 * d * g * sl_att
+        rows = cp_j if full else cpsl_j
+        rec = measure(lambda compiled=compiled, args=args: compiled(*args),
+                      lambda o, r=r, rows=rows: _train_check(o, rows, r, seq), repeats=repeats, max_s=max_s)
+        rec.update(timed_queries=t if full else int(len(sl)), scaled=not full, scale=1.0 if full else slice_scale,
+                   flops_counted=flops, compile_seconds=compile_s, memory_gib=need)
+        if "seconds" in rec:
+            s = rec["seconds"]
+            rec["seconds_layer"] = s * (1.0 if full else slice_scale)
+            rec["tflops_effective"] = flops / s / 1e12
+            rec["floor_seconds"] = _floor(flops, io_bytes * (1.0 if full else len(sl) / t), ceil)
+            rec["achieved_over_floor"] = rec["floor_seconds"] / s
+        out_rec[name] = rec
+        del args, compiled
+        snapshot()
+
+    res = {
+        "T": t, "batch": b,
+        "attended_keys_mean": float(att.mean()), "selected_blocks_mean": float(n_ids.mean()),
+        "flops_attended": flops_att, "flops_dense_causal": flops_dense,
+        "density_vs_dense_causal": flops_att / flops_dense,
+        "check_rows": int(len(cp)), "check_batch_element": seq,
+        "variants": out_rec,
+    }
+    ok = {n: v["seconds_layer"] for n, v in out_rec.items() if v.get("status") == "ok" and v.get("seconds_layer")}
+    dense = next((n for n in DENSE_TRAIN if n in ok), None)  # cuDNN wherever it ran
+    if dense is not None:
+        res["dense_baseline"] = dense
+        for n in ok:
+            if n not in DENSE_TRAIN:
+                out_rec[n]["speedup_over_dense"] = ok[dense] / ok[n]
+    best = min((n for n in ok if n in SPARSE), key=ok.get, default=None)  # interpreted runs never count
+    res["best_sparse"] = best
+    if best and dense:
+        res["speedup_sparse_over_dense"] = ok[dense] / ok[best]
+        if t == TRAIN_GOAL_T:
+            res["target"] = TRAIN_TARGET
+            res["met"] = bool(res["speedup_sparse_over_dense"] >= TRAIN_TARGET)
+    return res
+
+
 # H100/H200 L2: 50 MB. Positions recur within one timed call only when the other steps' bytes
 # between two visits of one are at least 5x that (LRU-like replacement keeps nothing of it).
 L2_GUARD_BYTES = 256 * 2**20
@@ -397,10 +649,13 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
                     decode_batches=(16, 64), repeats: int = 3, variants=None, timed_queries: int = 2048,
                     decode_steps: int = 8, budget_s: float | None = 140.0, max_s: float = 3.0,
                     matmul_n: int = 8192, copy_mib: int = 2048, seed: int = 0, query_correlation: float = 0.0,
-                    decode: bool = True, prefill: bool = True, decode_loop: str = "map", out=None,
-                    log=None) -> dict:
-    """decode_loop: how the decode steps of one timed call are issued (`_looped`). Runs the prefill and decode cases; with `out`, the JSON is rewritten after every variant
-    ("complete": false until the end) so a crash keeps what was measured."""
+                    decode: bool = True, prefill: bool = True, train: bool = False, decode_loop: str = "map",
+                    grad_check_t: int = 8192, grad_check_queries: int = 256, out=None, log=None) -> dict:
+    """decode_loop: how the decode steps of one timed call are issued (`_looped`). Runs the prefill,
+    decode and train cases asked for (train: after each sparse train variant's gradient check,
+    `train_grad_check` at grad_check_t tokens, grad_check_queries queries, batch 1); with `out`,
+    the JSON is rewritten after every variant ("complete": false until the end) so a crash keeps
+    what was measured."""
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))
     shape = model_shape(preset)
     budget = Budget(budget_s)
@@ -410,9 +665,11 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
     pv = PREFILL_VARIANTS if variants is None else tuple(v for v in variants if v in PREFILL_VARIANTS + ("dense_xla",))
     dv = DECODE_VARIANTS if variants is None else tuple(v for v in variants if v in DECODE_VARIANTS + INTERPRETED
                                                         or _decode_choice(v) is not None)
+    tv = TRAIN_VARIANTS if variants is None else tuple(v for v in variants if v in TRAIN_VARIANTS + INTERPRETED)
     config = {**_shape_json(shape), "lengths": list(lengths), "batch": batch, "decode_batches": list(decode_batches),
               "repeats": repeats, "max_seconds_per_variant": max_s, "prefill_variants": list(pv),
-              "decode_variants": list(dv), "timed_queries_for_slice_variants": timed_queries,
+              "decode_variants": list(dv), "train_variants": list(tv) if train else [],
+              "timed_queries_for_slice_variants": timed_queries,
               "decode_steps_per_call": decode_steps, "decode_loop": decode_loop, "budget_s": budget_s, "dtype": "bfloat16",
               "block_ids_source": "select_blocks_forecast (XLA) on random bf16 Forecast queries and the "
                                   "compressed random keys: random weights choose nearly random content "
@@ -429,8 +686,18 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
                             "evenly over the sequence and scaled by T / timed_queries to seconds_layer",
               "decode_note": "steps_per_call decode steps in one jit (lax.map or unrolled: decode_loop), positions spaced beyond the "
                              "local window; bytes = selected blocks x 64 tokens x D x 2 B x (K and V)"}
+    if train:
+        config["train_note"] = (
+            f"one jit: loss = sum(out * ct) in f32 (ct random bf16 [B, T, H, D]) and its gradients in q, k, v; "
+            f"flops = {TRAIN_FLOP_FACTOR} x the forward's (backward 2.5 x forward); xla / dense_xla on the query "
+            f"slice and scaled like prefill's (their O(T) zeroing of dk, dv is scaled with it); speedup = the dense "
+            f"baseline's seconds_layer (cuDNN where it ran) / the sparse variant's; goal {TRAIN_TARGET}x at "
+            f"T={TRAIN_GOAL_T} (InfLLM-V2 reports {PAPER_TRAIN_SPEEDUP}x over FlashAttention on an H100)")
+        config["grad_check"] = {"T": grad_check_t, "queries": grad_check_queries, "batch": 1,
+                                "bound": REL_ERR_BOUND, "reference": "autodiff of sparse_attention_reference, "
+                                "f32 inputs, highest precision; queries at the context's end"}
     r = {"name": "attention", "complete": False, "environment": environment(), "config": config,
-         "ceilings": ceil, "prefill": [], "decode": [], "skipped": [], "claims": []}
+         "ceilings": ceil, "prefill": [], "decode": [], "train": [], "skipped": [], "claims": []}
 
     def snapshot():
         r["elapsed_s"] = budget.elapsed()
@@ -458,6 +725,20 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
     for t in lengths if decode else ():
         for b in decode_batches:
             run("decode", t, b, decode_case, variants=dv, steps=decode_steps, loop=decode_loop)
+    if train:
+        # a sparse variant is timed only after its gradients pass the check
+        r["train_grad_check"] = {}
+        for name in (n for n in tv if n not in DENSE_TRAIN):
+            r["train_grad_check"][name] = train_grad_check(name, shape, t=grad_check_t, queries=grad_check_queries,
+                                                           seed=seed, query_correlation=query_correlation)
+            snapshot()
+            gc = r["train_grad_check"][name]
+            log(f"[attention] gradient check {name}: {gc['status'][:80]}"
+                + (f", max rel err {gc['max_rel_err']:.2g}" if "max_rel_err" in gc else ""))
+        blocked = {n: c["status"] for n, c in r["train_grad_check"].items() if not c["passed"]}
+        for t in lengths:
+            run("train", t, batch, train_case, variants=tv, timed_queries=timed_queries,
+                query_correlation=query_correlation, blocked=blocked)
     for c in r["prefill"]:
         if "ratio_sparse_over_dense_tflops" in c:
             v = c["variants"][c["best_sparse"]]
@@ -474,6 +755,13 @@ def bench_attention(preset: str = "minicpm4.1-8b", *, lengths=(32768, 65536, 131
                                 "value": c["ratio_bytes_per_s_over_hbm"], "target": DECODE_TARGET, "met": c["met"],
                                 "sparse": c["best_sparse"],
                                 "achieved_over_floor": c["variants"][c["best_sparse"]].get("achieved_over_floor")})
+    for c in r["train"]:
+        if "target" in c:
+            r["claims"].append({"claim": f"train T={c['T']} B={c['batch']}: dense forward + backward time / sparse "
+                                         f"(paper: {PAPER_TRAIN_SPEEDUP}x over FlashAttention, H100)",
+                                "value": c["speedup_sparse_over_dense"], "target": c["target"], "met": c["met"],
+                                "sparse": c["best_sparse"], "dense": c["dense_baseline"],
+                                "paper": PAPER_TRAIN_SPEEDUP})
     r["complete"] = True
     snapshot()
     return r
@@ -488,13 +776,13 @@ def table(r: dict) -> str:
     lines = [f"ceilings: {c['matmul_tflops']:.0f} TFLOP/s bf16 matmul, {c['hbm_gb_per_s']:.0f} GB/s copy",
              "| phase | T | B | variant | ms/layer | TFLOP/s or GB/s | vs ceiling | floor ratio | check |",
              "|---|---|---|---|---|---|---|---|---|"]
-    for ph in ("prefill", "decode"):
-        for cs in r[ph]:
+    for ph in ("prefill", "decode", "train"):
+        for cs in r.get(ph, []):
             for n, v in cs["variants"].items():
                 if "seconds_layer" not in v:
                     lines.append(f"| {ph} | {cs['T']} | {cs['batch']} | {n} | {v['status'][:50]} | | | | |")
                     continue
-                rate = v.get("tflops_effective") if ph == "prefill" else v.get("gb_per_s")
+                rate = v.get("gb_per_s") if ph == "decode" else v.get("tflops_effective")
                 vs = v.get("vs_hbm") if ph == "decode" else rate / c["matmul_tflops"]
                 chk = "ok" if v["check"]["passed"] else f"FAIL {v['check']['rel_err']:.2g}"
                 sc = "*" if v.get("scaled") else ""
@@ -504,46 +792,101 @@ def table(r: dict) -> str:
         if "union_mean_tile8" in cs:
             lines.append(f"prefill T={cs['T']}: mean union of blocks over 8-token tiles {cs['union_mean_tile8']:.0f} "
                          f"(topk {r['config']['topk']})")
+    for n, gc in r.get("train_grad_check", {}).items():
+        err = (f"max rel err {gc['max_rel_err']:.2g}, max abs err {gc['max_abs_err']:.2g}, "
+               if "max_rel_err" in gc else "")
+        lines.append(f"gradient check {n} (T={gc['T']}, last {gc['queries']} queries): {err}bound {gc['bound']}: "
+                     f"{gc['status'][:80]}")
+    for cs in r.get("train", []):
+        sp = [f"{n} {v['speedup_over_dense']:.2f}x" for n, v in cs["variants"].items() if "speedup_over_dense" in v]
+        if sp:
+            lines.append(f"train T={cs['T']} B={cs['batch']}: {cs['dense_baseline']} time / sparse time: "
+                         f"{', '.join(sp)}")
     lines += claim_lines(r)
-    lines.append("* timed on a query slice and scaled (JSON: timed_queries, scale)")
+    lines.append("* timed on a query slice and scaled (JSON: timed_queries, scale); train: ms/layer is forward + "
+                 "backward")
     return "\n".join(lines)
 
 
-def plot(json_path) -> str | None:
-    """The PNG beside the JSON; None when matplotlib is missing."""
-    plt, r = pyplot_and_result(json_path)
-    if plt is None:
-        return None
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
-    names = sorted({n for cs in r["prefill"] for n in cs["variants"]})
-    for n in names:
+def _plot_prefill(ax, r) -> None:
+    for n in sorted({n for cs in r["prefill"] for n in cs["variants"]}):
         pts = [(cs["T"], cs["variants"][n]["tflops_effective"]) for cs in r["prefill"]
                if cs["variants"].get(n, {}).get("tflops_effective")]
         if pts:
-            a1.plot(*zip(*pts), "o-", label=n)
-    a1.axhline(r["ceilings"]["matmul_tflops"], ls="--", c="gray", label="bf16 matmul")
-    a1.set(xscale="log", xlabel="context T", ylabel="TFLOP/s (sparse: attended keys)",
+            ax.plot(*zip(*pts), "o-", label=n)
+    ax.axhline(r["ceilings"]["matmul_tflops"], ls="--", c="gray", label="bf16 matmul")
+    ax.set(xscale="log", xlabel="context T", ylabel="TFLOP/s (sparse: attended keys)",
            title=f"prefill, batch {r['config']['batch']}")
-    a1.legend(fontsize=7)
+    ax.legend(fontsize=7)
+
+
+def _plot_decode(ax, r) -> None:
     for n in sorted({n for cs in r["decode"] for n in cs["variants"]}):
         for b in r["config"]["decode_batches"]:
             pts = [(cs["T"], cs["variants"][n]["gb_per_s"]) for cs in r["decode"]
                    if cs["batch"] == b and cs["variants"].get(n, {}).get("gb_per_s")]
             if pts:
-                a2.plot(*zip(*pts), "o-", label=f"{n} B={b}")
-    a2.axhline(r["ceilings"]["hbm_gb_per_s"], ls="--", c="gray", label="HBM copy")
-    a2.set(xscale="log", xlabel="context T", ylabel="GB/s (K/V read)", title="decode")
-    a2.legend(fontsize=7)
+                ax.plot(*zip(*pts), "o-", label=f"{n} B={b}")
+    ax.axhline(r["ceilings"]["hbm_gb_per_s"], ls="--", c="gray", label="HBM copy")
+    ax.set(xscale="log", xlabel="context T", ylabel="GB/s (K/V read)", title="decode")
+    ax.legend(fontsize=7)
+
+
+def _plot_train(ax_ms, ax_x, r) -> None:
+    """Forward + backward ms per layer by variant; each sparse variant's speedup over the dense
+    baseline, with the goal and the paper's figure at TRAIN_GOAL_T."""
+    cases = r["train"]
+    for n in sorted({n for cs in cases for n in cs["variants"]}):
+        pts = [(cs["T"], cs["variants"][n]["seconds_layer"] * 1e3) for cs in cases
+               if cs["variants"].get(n, {}).get("status") == "ok"]
+        if pts:
+            ax_ms.plot(*zip(*pts), "o-", label=n + ("*" if n in ("xla", "dense_xla") else ""))
+        sp = [(cs["T"], cs["variants"][n]["speedup_over_dense"]) for cs in cases
+              if "speedup_over_dense" in cs["variants"].get(n, {})]
+        if sp:
+            ax_x.plot(*zip(*sp), "o-", label=n)
+    ax_ms.set(xscale="log", yscale="log", xlabel="context T", ylabel="ms per layer, forward + backward",
+              title=f"train, batch {r['config']['batch']} (* query slice, scaled)")
+    ax_ms.legend(fontsize=7)
+    ax_x.axhline(1.0, ls=":", c="gray")
+    ax_x.plot([TRAIN_GOAL_T], [TRAIN_TARGET], "k_", ms=20, label=f"goal {TRAIN_TARGET}x")
+    ax_x.plot([TRAIN_GOAL_T], [PAPER_TRAIN_SPEEDUP], "r*", label=f"InfLLM-V2 (H100) {PAPER_TRAIN_SPEEDUP}x")
+    dense = {cs.get("dense_baseline") for cs in cases} - {None}
+    ax_x.set(xscale="log", xlabel="context T", ylabel=f"{'/'.join(sorted(dense)) or 'dense'} time / sparse time",
+             title="train: speedup over dense")
+    ax_x.legend(fontsize=7)
+
+
+def plot(json_path) -> str | None:
+    """The PNG beside the JSON; None when matplotlib is missing. Prefill and decode panels (both
+    when the run has no train cases, as before), then the train panels."""
+    plt, r = pyplot_and_result(json_path)
+    if plt is None:
+        return None
+    train = bool(r.get("train"))
+    phases = [ph for ph in ("prefill", "decode") if r[ph] or not train]
+    fig, axes = plt.subplots(1, len(phases) + 2 * train, figsize=(5.5 * (len(phases) + 2 * train), 4), squeeze=False)
+    axes = list(axes[0])
+    for ph in phases:
+        (_plot_prefill if ph == "prefill" else _plot_decode)(axes.pop(0), r)
+    if train:
+        _plot_train(axes[0], axes[1], r)
     return save_png(plt, fig, json_path)
 
 
 def main(args) -> int:
     out = args.out or "bench/results/attention/attention.json"
+    if args.prefill_only + args.decode_only + args.train_only > 1:
+        print("sparda: error: bench attention takes one of --prefill-only, --decode-only, --train-only",
+              file=sys.stderr)
+        return 2
     r = bench_attention(args.preset, lengths=tuple(args.lengths or (32768, 65536, 131072)),
                         batch=args.batch or 4, decode_batches=tuple(args.decode_batches or (16, 64)),
                         repeats=args.repeats, variants=args.variants, timed_queries=args.timed_queries or 2048,
                         decode_steps=args.decode_steps, budget_s=args.budget_s, max_s=args.max_variant_s,
                         matmul_n=args.matmul_n, copy_mib=args.copy_mib,
-                        query_correlation=args.query_correlation, decode=not args.prefill_only,
-                        prefill=not args.decode_only, decode_loop=args.decode_loop, out=out)
+                        query_correlation=args.query_correlation,
+                        decode=not (args.prefill_only or args.train_only),
+                        prefill=not (args.decode_only or args.train_only), train=args.train_only,
+                        decode_loop=args.decode_loop, out=out)
     return plot_and_print(r, out, plot, table)

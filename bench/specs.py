@@ -68,6 +68,10 @@ SPECS: tuple[Spec, ...] = (
          ("bench", "attention", "--decode-only", "--decode-batches", "16", "64", "--decode-steps", "32",
           "--variants", "mosaic_gpu", "--repeats", "10"),
          300, "decode attention kernel's fraction of the HBM copy rate, 32K-128K, batch 16 and 64"),
+    Spec("attention-train", "attention",
+         ("bench", "attention", "--train-only", "--query-correlation", "0.99", "--budget-s", "330"), 480,
+         "block-sparse attention forward + backward (Mosaic and jnp backward) vs cuDNN's at 32K-128K, batch 4, "
+         "after a gradient check of each sparse variant; goal >= 3x cuDNN at 128K"),
     Spec("copy", "copy", ("bench", "copy", "--repeats", "10", "--sizes", "1", "8", "32"), 300,
          "host-to-device gather bandwidth of the KV copy (UVA gather vs bulk copy)"),
     Spec("select", "select", ("bench", "select", "--budget-s", "420"), 540,

@@ -596,6 +596,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "inputs are alike along positions as on real text (0: random tokens; in [0, 1))")
     bn.add_argument("--prefill-only", action="store_true", help="attention, select: skip the decode cases")
     bn.add_argument("--decode-only", action="store_true", help="attention, select: skip the prefill cases")
+    bn.add_argument("--train-only", action="store_true",
+                    help="attention: only the forward + backward (training) cases, each sparse variant's gradients "
+                         "checked first (variants: xla dense_xla cudnn mosaic_gpu)")
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")

@@ -605,3 +605,98 @@ def test_claims_get_a_verdict_only_on_the_target_backend(tmp_path):
     on_gpu = {"environment": {"backend": "gpu"}, "claims": claims}
     assert claim_lines(on_gpu) == ["decode B=8: Sparse / SparDA: 2.00 (target 1.7, met)"]
     assert json.loads(write_json(on_gpu, tmp_path / "g.json").read_text())["claims"][0]["met"] is True
+
+
+def _small_mosaic_shape():
+    # the smallest shape the Mosaic kernels take in interpret mode (64-token blocks, head dim 64):
+    # 2 query heads on 1 KV head, 2 of the 3 blocks chosen
+    import dataclasses
+
+    from sparda_jax.config import get_preset
+
+    sp = dataclasses.replace(get_preset("smollm2-135m").sparse, topk=2, local_blocks=0)
+    return {"preset": "small-mosaic", "heads": 2, "kv_heads": 1, "head_dim": 64, "sparse": sp}
+
+
+def test_attention_train_phase_end_to_end_in_interpret_mode(tmp_path, monkeypatch):
+    """The train phase (forward + backward) through bench_attention, the Mosaic kernels interpreted
+    on the CPU: each sparse variant's gradients checked first, then timed; the CPU-less variants
+    say why; the JSON, table and plot carry the phase; the goal claim at TRAIN_GOAL_T."""
+    from sparda_jax.bench import attention as ba
+
+    monkeypatch.setattr(ba, "model_shape", lambda preset: _small_mosaic_shape())
+    monkeypatch.setattr(ba, "TRAIN_GOAL_T", 192)  # the claim's machinery at this T
+    out = tmp_path / "train.json"
+    r = ba.bench_attention("small", variants=("xla", "dense_xla", "cudnn", "mosaic_gpu", "mosaic_gpu_interpret"),
+                           lengths=(192,), batch=1, repeats=1, matmul_n=128, copy_mib=1, timed_queries=128,
+                           train=True, prefill=False, decode=False, grad_check_t=192, grad_check_queries=64,
+                           out=out, log=lambda s: None)
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and {"commit", "jax", "backend"} <= set(saved["environment"])
+    assert saved["train"][0]["variants"]["mosaic_gpu_interpret"]["status"] == "ok" and saved["train_grad_check"]
+    assert not r["prefill"] and not r["decode"] and r["config"]["train_variants"][0] == "xla"
+    gc = r["train_grad_check"]
+    assert set(gc) == {"xla", "mosaic_gpu", "mosaic_gpu_interpret"}  # the dense ones are not checked
+    for n in ("xla", "mosaic_gpu_interpret"):
+        assert gc[n]["status"] == "ok" and gc[n]["passed"], gc[n]
+        assert 0 < gc[n]["max_rel_err"] <= gc[n]["bound"] and gc[n]["max_abs_err"] > 0
+        assert gc[n]["max_rel_err"] == max(gc[n][g]["rel_err"] for g in ("dq", "dk", "dv"))
+    assert gc["mosaic_gpu"]["status"].startswith("unavailable") and not gc["mosaic_gpu"]["passed"]
+    (c,) = r["train"]
+    v = c["variants"]
+    assert v["mosaic_gpu"] == {"status": gc["mosaic_gpu"]["status"]}  # not timed
+    assert v["cudnn"]["status"].startswith("unavailable")
+    for n in ("xla", "dense_xla", "mosaic_gpu_interpret"):
+        assert v[n]["status"] == "ok" and v[n]["check"]["passed"] and v[n]["check"]["grads_finite"], (n, v[n])
+        assert v[n]["seconds_layer"] > 0 and v[n]["tflops_effective"] > 0
+    assert v["xla"]["scaled"] and v["xla"]["seconds_layer"] == pytest.approx(v["xla"]["seconds"] * 1.5)
+    assert not v["mosaic_gpu_interpret"]["scaled"] and c["check_batch_element"] == 0
+    assert c["dense_baseline"] == "dense_xla" and c["best_sparse"] == "xla"  # interpreted runs never count
+    assert c["speedup_sparse_over_dense"] == pytest.approx(v["dense_xla"]["seconds_layer"] / v["xla"]["seconds_layer"])
+    assert v["mosaic_gpu_interpret"]["speedup_over_dense"] > 0
+    (cl,) = r["claims"]
+    assert cl["value"] == c["speedup_sparse_over_dense"] and cl["target"] == ba.TRAIN_TARGET
+    assert saved["claims"][0]["met"] is None  # a CPU timing gets no verdict
+    tab = ba.table(r)
+    assert "| train | 192 | 1 | xla* |" in tab and "gradient check mosaic_gpu_interpret" in tab
+    assert "train T=192 B=1: dense_xla time / sparse time" in tab
+    png = ba.plot(out)
+    assert png is None or png.endswith("train.png")
+
+
+def test_attention_train_check_fails_on_a_wrong_backward(monkeypatch):
+    """A backward that gets dq 10% too large fails the gradient check (dq alone) and the timed
+    case's row check, so the variant is reported as failed and never counted."""
+    from sparda_jax.bench import attention as ba
+    from sparda_jax.ops.sparse_attention import vjp
+
+    right = vjp.sparse_attention_backward_reference
+
+    def wrong(*a, **kw):
+        dq, dk, dv, dbias = right(*a, **kw)
+        return dq * 1.1, dk, dv, dbias
+
+    shape = ba.model_shape("tiny")  # 16-token blocks, 4 chosen of 8
+    kw = dict(t=128, queries=32)
+    assert ba.train_grad_check("xla", shape, **kw)["passed"]
+    monkeypatch.setattr(vjp, "sparse_attention_backward_reference", wrong)
+    bad = ba.train_grad_check("xla", shape, **kw)
+    assert bad["status"] == "grad_check_failed" and not bad["passed"]
+    assert not bad["dq"]["passed"] and 0.05 < bad["dq"]["rel_err"] < 0.2 and bad["dk"]["passed"] and bad["dv"]["passed"]
+    # timed anyway (no gradient check before), its rows of dq (last sequence) fail the case's own
+    # check: flagged, never the best
+    c = ba.train_case(128, 2, shape, {"matmul_tflops": 1.0, "hbm_gb_per_s": 1.0}, variants=("xla", "dense_xla"),
+                      repeats=1, timed_queries=64, check_rows=16)
+    x = c["variants"]["xla"]
+    assert x["status"] == "check_failed" and not x["check"]["passed"] and x["check"]["grads_finite"]
+    assert c["variants"]["dense_xla"]["status"] == "ok" and c["best_sparse"] is None
+    assert "speedup_sparse_over_dense" not in c and "speedup_over_dense" not in x
+
+
+def test_attention_cli_takes_one_phase_flag(capsys):
+    from sparda_jax.bench.attention import main
+    from sparda_jax.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "attention", "--train-only", "--prefill-only"])
+    assert args.train_only and main(args) == 2
+    assert "one of --prefill-only, --decode-only, --train-only" in capsys.readouterr().err

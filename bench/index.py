@@ -100,6 +100,8 @@ FILES = {
     "profiles/layer_breakdown_2e96975.json": "a decode layer's kernel time by kind, 16-layer doorbell trace",
     "profiles/layer_breakdown_sparse_a3cd03f.json": "the same for the synchronous Sparse trace",
     "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's targets at 4K batch 1)",
+    "realmodel/first_token.json": "`sparda generate` in fresh processes, cold then warm, with the converted-weights "
+                                  "cache: seconds to the first token (Dense+, SparDA)",
 }
 
 

@@ -552,10 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
                                               "the training split of the Python docs shipped with CPython)")
     ft.add_argument("--out", required=True, help="run directory: checkpoints, metrics, adapter.safetensors")
     ft.add_argument("--seq-len", type=int, default=4096)
-    ft.add_argument("--steps", type=int, default=200)
-    ft.add_argument("--batch", type=int, default=16, help="effective batch (sequences per step)")
-    ft.add_argument("--micro-batch", type=int, default=4, help="sequences per forward (gradient accumulation)")
-    ft.add_argument("--lr", type=float, default=2e-4)
+    ft.add_argument("--steps", type=int, default=60)
+    ft.add_argument("--batch", type=int, default=8, help="effective batch (sequences per step)")
+    ft.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (gradient accumulation)")
+    ft.add_argument("--lr", type=float, default=5e-4)
     ft.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
     ft.add_argument("--rank", type=_positive_int, default=32, help="LoRA rank")
     ft.add_argument("--alpha", type=float, help="LoRA alpha: the update is scaled by alpha / rank (default 2 x rank)")
@@ -569,9 +569,9 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--override", action="store_true",
                     help="resume although settings differ from the run's config.json (the change is recorded there)")
     ft.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
-    ft.add_argument("--save-every", type=int, default=50)
+    ft.add_argument("--save-every", type=int, default=10)
     ft.add_argument("--keep", type=int, default=3)
-    ft.add_argument("--eval-every", type=_nonnegative_int, default=25,
+    ft.add_argument("--eval-every", type=_nonnegative_int, default=20,
                     help="held-out NLL, dense and sparse, every this many steps (and at the first and last; 0: never)")
     ft.add_argument("--eval-seqs", type=_positive_int, default=2, help="held-out windows of min(seq-len, 8192) tokens")
     ft.add_argument("--seed", type=int, default=0)

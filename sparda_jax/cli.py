@@ -368,6 +368,27 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _cmd_finetune(args) -> int:
+    from .io.adapter_file import LoraConfig
+    from .train.augment import RetrievalMix
+    from .train.finetune import FinetuneConfig, finetune
+
+    _check_output(args.out, directory=True)
+    # the settings are checked before the model loads
+    lora = LoraConfig(rank=args.rank, alpha=float(args.alpha if args.alpha is not None else 2 * args.rank))
+    fc = FinetuneConfig(lora=lora, dense_weight=args.dense_weight, seq_len=args.seq_len, batch=args.batch,
+                        micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, dtype=args.train_dtype,
+                        seed=args.seed)
+    mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
+    model = _load(args)
+    summary = finetune(model, fc, args.out, data_paths=args.data, data_devices=args.data_devices,
+                       save_every=args.save_every, keep=args.keep, eval_every=args.eval_every,
+                       eval_seqs=args.eval_seqs, mix=mix, override=args.override,
+                       log=lambda s: print(s, file=sys.stderr))
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
 def _cmd_corpus(args) -> int:
     from .corpus import build_corpus, corpus_info, default_corpus_dir
 
@@ -445,7 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="sparda", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="SparDA (sparse decoupled attention) in JAX: generate text and run the retrieval demo\n"
                     "under every attention system, measure accuracy, build the training corpus, train the\n"
-                    "Forecast, and benchmark on a GPU.",
+                    "Forecast, fine-tune a model for sparse attention, and benchmark on a GPU.",
         epilog="first steps:\n  sparda demo                      the retrieval demo on SmolLM2 (dense, sparse, sparda)\n"
                "  sparda generate --prompt TEXT    stream a reply; --system picks the attention system\n"
                "  sparda COMMAND --help            the options of one command")
@@ -460,7 +481,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     def model_args(sp, default="smollm2-135m"):
         sp.add_argument("--model", default=default,
-                        help="smollm2-135m, a .gguf file or an HF checkpoint directory")
+                        help="smollm2-135m, smollm2-135m-sparse (with its sparse-attention adapter), a .gguf file "
+                             "or an HF checkpoint directory")
         sp.add_argument("--dtype", choices=_DTYPES, default="float32", help="compute dtype")
         sp.add_argument("--topk", type=int,
                         help="block budget, forced blocks included, at most the model's context in blocks "
@@ -564,6 +586,38 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-processes", type=int)
     t.add_argument("--process-id", type=int)
     t.set_defaults(fn=_cmd_train)
+
+    ft = sub.add_parser("finetune", help="fine-tune a LoRA adapter of the attention projections under sparse "
+                                         "attention (frozen backbone); resumes from --out")
+    model_args(ft)
+    ft.add_argument("--data", nargs="+", help=".txt/.md files or directories, or a token corpus directory (default: "
+                                              "the training split of the Python docs shipped with CPython)")
+    ft.add_argument("--out", required=True, help="run directory: checkpoints, metrics, adapter.safetensors")
+    ft.add_argument("--seq-len", type=int, default=4096)
+    ft.add_argument("--steps", type=int, default=60)
+    ft.add_argument("--batch", type=int, default=8, help="effective batch (sequences per step)")
+    ft.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (gradient accumulation)")
+    ft.add_argument("--lr", type=float, default=5e-4)
+    ft.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
+    ft.add_argument("--rank", type=_positive_int, default=32, help="LoRA rank")
+    ft.add_argument("--alpha", type=float, help="LoRA alpha: the update is scaled by alpha / rank (default 2 x rank)")
+    ft.add_argument("--dense-weight", type=float, default=0.0,
+                    help="weight w of the dense-mode NLL in the loss (1 - w) sparse + w dense: w > 0 keeps the dense "
+                         "mode of the adapted weights from drifting, 1 is the dense-only control")
+    ft.add_argument("--repeat-share", type=float, default=0.0,
+                    help="share of training windows given a long-range repeated span (train.augment)")
+    ft.add_argument("--scatter-share", type=float, default=0.0,
+                    help="share of training windows given a shuffled copy of scattered short spans")
+    ft.add_argument("--override", action="store_true",
+                    help="resume although settings differ from the run's config.json (the change is recorded there)")
+    ft.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
+    ft.add_argument("--save-every", type=int, default=10)
+    ft.add_argument("--keep", type=int, default=3)
+    ft.add_argument("--eval-every", type=_nonnegative_int, default=20,
+                    help="held-out NLL, dense and sparse, every this many steps (and at the first and last; 0: never)")
+    ft.add_argument("--eval-seqs", type=_positive_int, default=2, help="held-out windows of min(seq-len, 8192) tokens")
+    ft.add_argument("--seed", type=int, default=0)
+    ft.set_defaults(fn=_cmd_finetune)
 
     bn = sub.add_parser("bench", help="efficiency benchmarks, each writing a JSON with its provenance")
     bn.add_argument("name", choices=["train", "copy", "select", "attention", "prefill", "decode", "cta", "realmodel"])

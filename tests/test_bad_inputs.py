@@ -22,6 +22,8 @@ from sparda_jax.kernels.kv_copy import KVCopyConfig
 from sparda_jax.ops.block_select.api import select_blocks_forecast, select_blocks_infllmv2, select_blocks_nosa
 from sparda_jax.ops.sparse_attention.api import paged_sparse_attention, sparse_attention
 from sparda_jax.ops.sparse_attention.decode import DecodeConfig
+from sparda_jax.io.adapter_file import LoraConfig
+from sparda_jax.train.finetune import FinetuneConfig
 from sparda_jax.train.objective import ForecastLossTap, TrainConfig
 
 TINY = get_preset("tiny")
@@ -189,6 +191,18 @@ BAD = [
      r"TrainConfig\.batch: .* multiple of micro_batch"),
     ("train.backbone_mode='fast'", lambda: TrainConfig(backbone_mode="fast"), ConfigError, r"TrainConfig\.backbone_mode"),
     ("tap.q_chunk=0", lambda: ForecastLossTap(TINY, q_chunk=0), ConfigError, r"ForecastLossTap\.q_chunk: must be >= 1"),
+    # fine-tuning
+    ("lora.rank=0", lambda: LoraConfig(rank=0), ConfigError, r"LoraConfig\.rank: must be >= 1"),
+    ("lora.alpha=0", lambda: LoraConfig(alpha=0.0), ConfigError, r"LoraConfig\.alpha: must be > 0"),
+    ("lora.targets=list", lambda: LoraConfig(targets=["q_proj"]), ConfigError, r"LoraConfig\.targets: must be a tuple"),
+    ("lora.targets=mlp", lambda: LoraConfig(targets=("q_proj", "gate_proj")), ConfigError, r"LoraConfig\.targets: must be distinct"),
+    ("lora.targets=repeat", lambda: LoraConfig(targets=("q_proj", "q_proj")), ConfigError, r"LoraConfig\.targets"),
+    ("finetune.dense_weight=1.5", lambda: FinetuneConfig(dense_weight=1.5), ConfigError,
+     r"FinetuneConfig\.dense_weight: must be <= 1"),
+    ("finetune.lora=dict", lambda: FinetuneConfig(lora={"rank": 4}), ConfigError, r"FinetuneConfig\.lora: must be a LoraConfig"),
+    ("finetune.batch%micro_batch", lambda: FinetuneConfig(batch=6, micro_batch=4), ConfigError,
+     r"FinetuneConfig\.batch: .* multiple of micro_batch"),
+    ("finetune.dtype=float16", lambda: FinetuneConfig(dtype="float16"), ConfigError, r"FinetuneConfig\.dtype"),
     # token ids and lengths against the model
     ("forward token id 10**6", lambda: _forward([[1, 10**6]]), ValueError,
      r"token id 1000000 is outside the vocabulary \[0, 256\)"),
@@ -254,6 +268,9 @@ GOOD = [
     ("train", lambda: TrainConfig(seq_len=128, batch=4, micro_batch=2, steps=1, lr=1, weight_decay=0, b1=0, b2=0.5,
                                   seed=0, backbone_mode="sparse")),
     ("tap", lambda: ForecastLossTap(TINY, "bfloat16", 1)),
+    ("lora", lambda: LoraConfig(rank=np.int64(2), alpha=1, targets=("o_proj",))),
+    ("finetune", lambda: FinetuneConfig(lora=LoraConfig(rank=1), dense_weight=1, seq_len=128, batch=4, micro_batch=2,
+                                        steps=1, lr=1, weight_decay=0, b1=0, b2=0.5, dtype="float32", seed=0)),
 ]
 
 

@@ -21,7 +21,7 @@ from sparda_jax.forecast import forecast_from_hidden
 from sparda_jax.losses import layer_loss
 from sparda_jax.modes import MODES, LayerView, forward
 
-__all__ = ["ForecastLossTap", "TrainConfig", "TrainState", "forecast_loss", "make_optimizer", "init_state",
+__all__ = ["ForecastLossTap", "TrainConfig", "check_run_settings", "TrainState", "forecast_loss", "make_optimizer", "init_state",
            "train_step"]
 
 
@@ -62,6 +62,25 @@ def forecast_loss(forecast, backbone, tokens, config: ModelConfig, *, dtype="flo
     return jnp.sum(per_layer), per_layer
 
 
+def check_run_settings(c: str, cfg) -> None:
+    """The checks a run's config shares (`TrainConfig`, `train.finetune.FinetuneConfig`): its
+    sizes (seq_len, batch, micro_batch dividing batch, steps), seed, optimizer numbers (lr, eps,
+    clip, weight_decay, b1, b2) and dtype (float32 or bfloat16). Raises ConfigError naming `c`."""
+    for name in ("seq_len", "batch", "micro_batch", "steps"):
+        check_int(c, name, getattr(cfg, name), lo=1)
+    check_int(c, "seed", cfg.seed, lo=0, hi=2**32 - 1)
+    check_float(c, "lr", cfg.lr, lo=0, lo_open=True)
+    check_float(c, "eps", cfg.eps, lo=0, lo_open=True)
+    check_float(c, "clip", cfg.clip, lo=0, lo_open=True)
+    check_float(c, "weight_decay", cfg.weight_decay, lo=0)
+    for name in ("b1", "b2"):
+        check_float(c, name, getattr(cfg, name), lo=0, hi=1, hi_open=True)
+    if cfg.batch % cfg.micro_batch:
+        raise ConfigError(f"{c}.batch: ({cfg.batch}) must be a multiple of micro_batch ({cfg.micro_batch})")
+    if not isinstance(cfg.dtype, str) or cfg.dtype not in ("float32", "bfloat16"):
+        raise ConfigError(f"{c}.dtype: must be float32 or bfloat16, got {cfg.dtype!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The paper's recipe by default (docs/algorithm.md, "Training the Forecast"): AdamW, constant lr 5e-4, weight decay
@@ -83,21 +102,8 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        c = "TrainConfig"
-        for name in ("seq_len", "batch", "micro_batch", "steps", "q_chunk"):
-            check_int(c, name, getattr(self, name), lo=1)
-        check_int(c, "seed", self.seed, lo=0, hi=2**32 - 1)
-        check_float(c, "lr", self.lr, lo=0, lo_open=True)
-        check_float(c, "eps", self.eps, lo=0, lo_open=True)
-        check_float(c, "clip", self.clip, lo=0, lo_open=True)
-        check_float(c, "weight_decay", self.weight_decay, lo=0)
-        for name in ("b1", "b2"):
-            check_float(c, name, getattr(self, name), lo=0, hi=1, hi_open=True)
-        if self.batch % self.micro_batch:
-            raise ConfigError(f"TrainConfig.batch: ({self.batch}) must be a multiple of micro_batch "
-                              f"({self.micro_batch})")
-        if not isinstance(self.dtype, str) or self.dtype not in ("float32", "bfloat16"):
-            raise ConfigError(f"TrainConfig.dtype: must be float32 or bfloat16, got {self.dtype!r}")
+        check_run_settings("TrainConfig", self)
+        check_int("TrainConfig", "q_chunk", self.q_chunk, lo=1)
         if not isinstance(self.backbone_mode, str) or self.backbone_mode not in MODES:
             raise ConfigError(f"TrainConfig.backbone_mode: must be one of {MODES}, got {self.backbone_mode!r}")
 
@@ -106,7 +112,9 @@ class TrainConfig:
         return self.batch // self.micro_batch
 
 
-def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+def make_optimizer(tc) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW; tc: a `TrainConfig` or anything with its clip, lr, b1, b2,
+    eps and weight_decay (`train.finetune.FinetuneConfig`)."""
     return optax.chain(
         optax.clip_by_global_norm(tc.clip),
         optax.adamw(tc.lr, b1=tc.b1, b2=tc.b2, eps=tc.eps, weight_decay=tc.weight_decay),

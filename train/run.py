@@ -5,8 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +28,8 @@ from .checkpoint import Checkpointer
 from .data import WindowSampler, is_shard_dir, load_documents, token_stream
 from .objective import TrainConfig, init_state, train_step
 
-__all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics"]
+__all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics", "TrainingData", "training_data",
+           "held_out_tokens", "run_record", "run_steps"]
 
 
 def make_mesh(data_devices: int | None = None) -> Mesh:
@@ -58,7 +61,11 @@ def eval_recall(backbone, forecast, tokens, config, dtype) -> float:
     return float(block_recall(ids, oracle, pos, config.sparse))
 
 
-def plot_metrics(jsonl: Path, png: Path) -> None:
+def plot_metrics(jsonl: Path, png: Path, *, loss_label: str = "partition KL, summed over layers",
+                 eval_keys: tuple[str, ...] = ("recall",), eval_label: str = "block recall vs InfLLM-V2",
+                 eval_title: str = "held-out recall", eval_ylim: tuple[float, float] | None = (0, 1)) -> None:
+    """Two panels from a run's metrics.jsonl: "loss" per step, and the evaluated keys (one line
+    each) at the steps that have them."""
     # a Figure without pyplot: no backend is chosen, so a caller's (a notebook's) stays as it is
     from matplotlib.figure import Figure
 
@@ -67,10 +74,15 @@ def plot_metrics(jsonl: Path, png: Path) -> None:
     ax = fig.subplots(1, 2)
     steps = [r["step"] for r in rows]
     ax[0].plot(steps, [r["loss"] for r in rows], lw=1)
-    ax[0].set(xlabel="step", ylabel="partition KL, summed over layers", title="training loss")
-    ev = [r for r in rows if "recall" in r]
-    ax[1].plot([r["step"] for r in ev], [r["recall"] for r in ev], marker="o")
-    ax[1].set(xlabel="step", ylabel="block recall vs InfLLM-V2", title="held-out recall", ylim=(0, 1))
+    ax[0].set(xlabel="step", ylabel=loss_label, title="training loss")
+    for key in eval_keys:
+        ev = [r for r in rows if r.get(key) is not None]
+        ax[1].plot([r["step"] for r in ev], [r[key] for r in ev], marker="o", label=key)
+    ax[1].set(xlabel="step", ylabel=eval_label, title=eval_title)
+    if eval_ylim is not None:
+        ax[1].set_ylim(*eval_ylim)
+    if len(eval_keys) > 1:
+        ax[1].legend()
     for a in ax:
         a.grid(alpha=0.3)
     fig.tight_layout()
@@ -89,10 +101,12 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def _run_record(path: Path, settings: dict, step: int, *, override: bool) -> dict:
-    """The run's config.json content: `settings`, plus the overrides of earlier resumes and,
-    where a resumed run (step > 0) changes a setting, one more entry {"step", "changed":
-    {setting: [old, new]}}. Raises ValueError for a change without override."""
+def run_record(path: Path, settings: dict, step: int, *, override: bool) -> dict:
+    """The run's config.json content: `settings` (JSON-ready), plus the overrides of earlier
+    resumes and, where a resumed run (step > 0) changes a setting, one more entry {"step",
+    "changed": {setting: [old, new]}}. A setting under "train.steps" may change freely (a run may
+    be lengthened). Raises ValueError for any other change without override."""
+    settings = json.loads(json.dumps(settings))  # as the record holds them: tuples become lists
     if step == 0 or not path.exists():
         return settings | {"overrides": []}
     try:
@@ -112,6 +126,94 @@ def _run_record(path: Path, settings: dict, step: int, *, override: bool) -> dic
     return settings | {"overrides": overrides}
 
 
+class TrainingData(NamedTuple):
+    """A run's training text: the token stream, the sampler of its windows (`batch(step, n)`),
+    and the stream's record for config.json ({"tokens", "sha256"})."""
+
+    stream: np.ndarray
+    sampler: Any
+    record: dict
+
+
+def training_data(model: Pretrained, seq_len: int, seed: int, data_paths=None,
+                  mix: RetrievalMix = RetrievalMix()) -> TrainingData:
+    """The training windows of `train` and `finetune`: a token corpus's `train` split when
+    data_paths is its directory, else the text files given (default: the Python docs' training
+    split), in windows of seq_len tokens drawn by `WindowSampler`, a share of them rewritten by
+    `mix`. Raises ValueError without a tokenizer or for too little text, ConfigError (a
+    ValueError) for a mix that does not fit seq_len, TypeError for a mix of another type."""
+    if not isinstance(mix, RetrievalMix):
+        raise TypeError(f"mix must be a RetrievalMix, got {type(mix).__name__}")
+    mix.check_fits(seq_len)
+    tok = model.tokenizer
+    if tok is None:
+        raise ValueError("training needs the model's tokenizer")
+    stream = token_stream(data_paths, tok, list(model.config.eos_token_ids[:1]))
+    sampler = WindowSampler(stream, seq_len, seed)
+    if mix.active:
+        sampler = MixedSampler(sampler, mix)
+    return TrainingData(stream, sampler, {"tokens": int(stream.size),
+                                          "sha256": hashlib.sha256(stream.tobytes()).hexdigest()})
+
+
+def held_out_tokens(model: Pretrained, n_tokens: int, *, seed: int, data_paths=None, count: int = 1,
+                    log=print) -> jax.Array:
+    """int32 [count, n_tokens] of held-out text for a run's evaluations: windows of a token
+    corpus's `heldout` split (its training domains) when data_paths is its directory and the
+    split holds enough text, else of the Python docs' eval split. Window i is drawn with seed
+    seed + i."""
+    c, tok = model.config, model.tokenizer
+    held_docs = None
+    if is_shard_dir(data_paths):
+        from sparda_jax.eval.heldout import corpus_texts
+
+        try:
+            held_docs = corpus_texts(data_paths[0], ["heldout"], vocab_size=c.vocab_size)[0].docs
+            rows = [haystack_from_tokens(held_docs, n_tokens, seed=seed + i) for i in range(count)]
+        except ValueError as e:  # no heldout split, or too short: the default text instead
+            log(f"held-out text from the Python docs: {e}")
+            held_docs = None
+    if held_docs is None:
+        docs = load_documents(None, "eval")
+        rows = [haystack_tokens(tok.encode, n_tokens, seed=seed + i, docs=docs) for i in range(count)]
+    return jnp.asarray(np.stack([np.asarray(r, np.int32) for r in rows]), jnp.int32)
+
+
+def run_steps(state, step_fn: Callable, evaluate: Callable, *, start: int, steps: int, tokens_per_step: int,
+              eval_every: int, ckpt: Checkpointer, metrics_path: Path, progress: bool = True):
+    """The loop of `train` and `finetune` over steps [start, steps).
+
+    step_fn(state, step) -> (state, metrics): one step, done when it returns (its metrics are
+    Python numbers); evaluate(state) -> {name: number}: every eval_every steps and at the first
+    and last step (eval_every 0: never). Writes one line per step to metrics_path ({"step":
+    step + 1, **metrics, "tokens_per_s", **evaluation}), after dropping the lines past `start`
+    that an interrupted run left, and saves a checkpoint on ckpt's schedule and at the last step.
+    Returns (state, the last line with the latest evaluation's values)."""
+    if start == 0 and metrics_path.exists():
+        metrics_path.unlink()
+    # a resumed run keeps the lines up to its checkpoint and drops those after it
+    if metrics_path.exists():
+        kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
+        metrics_path.write_text("".join(k + "\n" for k in kept))
+    bar = tqdm(range(start, steps), initial=start, total=steps, desc="train", disable=not progress)
+    last, evaluated = {}, {}
+    with open(metrics_path, "a") as mf:
+        for step in bar:
+            t0 = time.perf_counter()
+            state, metrics = step_fn(state, step)
+            rec = {"step": step + 1, **metrics, "tokens_per_s": tokens_per_step / (time.perf_counter() - t0)}
+            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps or step == start):
+                evaluated = evaluate(state)
+                rec.update(evaluated)
+            mf.write(json.dumps(rec) + "\n")
+            mf.flush()
+            last = rec | evaluated
+            bar.set_postfix(loss=f"{rec['loss']:.4f}", **{k: f"{v:.3f}" for k, v in evaluated.items()},
+                            tok_s=f"{rec['tokens_per_s']:.0f}")
+            ckpt.save(step + 1, state, force=step + 1 == steps)
+    return state, last
+
+
 def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
           save_every: int = 100, keep: int = 3, eval_every: int = 50, eval_len: int | None = None,
           mix: RetrievalMix = RetrievalMix(), init_from: str | Path | None = None, override: bool = False,
@@ -127,37 +229,16 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     records the change and its step in config.json's "overrides"."""
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an int >= 0 (0: never), got {eval_every!r}")
-    if not isinstance(mix, RetrievalMix):
-        raise TypeError(f"mix must be a RetrievalMix, got {type(mix).__name__}")
-    mix.check_fits(tc.seq_len)
     c = model.config
     span = c.sparse.forced_blocks * c.sparse.block_size
     if tc.seq_len <= span:
         raise ValueError(f"seq_len {tc.seq_len} gives no supervision: every position within "
                          f"{span} tokens of a query is a forced (init or local) block")
+    data = training_data(model, tc.seq_len, tc.seed, data_paths, mix)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = model.tokenizer
-    if tok is None:
-        raise ValueError("training needs the model's tokenizer")
-    stream = token_stream(data_paths, tok, list(c.eos_token_ids[:1]))
-    sampler = WindowSampler(stream, tc.seq_len, tc.seed)
-    if mix.active:
-        sampler = MixedSampler(sampler, mix)
-    n_eval = eval_len or min(tc.seq_len, 8192)
-    held_docs = None
-    if is_shard_dir(data_paths):  # recall on the corpus's held-out documents (its training domains)
-        from sparda_jax.eval.heldout import corpus_texts
-
-        try:
-            held_docs = corpus_texts(data_paths[0], ["heldout"], vocab_size=c.vocab_size)[0].docs
-            held_out = jnp.asarray([haystack_from_tokens(held_docs, n_eval, seed=tc.seed + 7)], jnp.int32)
-        except ValueError as e:  # no heldout split, or too short: the default text instead
-            log(f"recall on the Python docs: {e}")
-            held_docs = None
-    if held_docs is None:
-        held_out = jnp.asarray([haystack_tokens(tok.encode, n_eval, seed=tc.seed + 7,
-                                                docs=load_documents(None, "eval"))], jnp.int32)
+    held_out = held_out_tokens(model, eval_len or min(tc.seq_len, 8192), seed=tc.seed + 7, data_paths=data_paths,
+                               log=log)
     init = None
     if init_from is not None:
         init_from = Path(init_from)
@@ -169,10 +250,9 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
         raise ValueError(f"micro_batch ({tc.micro_batch}) must be a multiple of the data devices ({n_data})")
     ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
     # the record is checked before any work on the device: a refused resume costs nothing
-    record = _run_record(out / "config.json", {
+    record = run_record(out / "config.json", {
         "model": c.name, "train": asdict(tc), "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
-        "mix": asdict(mix), "data": {"tokens": int(stream.size), "sha256": hashlib.sha256(stream.tobytes()).hexdigest()}}
-        | ({"init": init_record} if init is not None else {}),
+        "mix": asdict(mix), "data": data.record} | ({"init": init_record} if init is not None else {}),
         ckpt.latest_step() or 0, override=override)
     replicated = NamedSharding(mesh, P())
     dtype = jnp.dtype(tc.dtype)
@@ -183,39 +263,22 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     if restored is not None:
         state = restored
         log(f"resumed from step {int(state.step)}")
-    (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(stream.size), "data_devices": n_data},
-                                                indent=2))
-    metrics_path = out / "metrics.jsonl"
-    start = int(state.step)
-    if start == 0 and metrics_path.exists():
-        metrics_path.unlink()
-    # a resumed run keeps the lines up to its checkpoint and drops those after it
-    if metrics_path.exists():
-        kept = [l for l in metrics_path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= start]
-        metrics_path.write_text("".join(k + "\n" for k in kept))
+    (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(data.stream.size),
+                                                          "data_devices": n_data}, indent=2))
     shape = (tc.accumulation, tc.micro_batch, tc.seq_len)
     per_proc = tc.micro_batch // jax.process_count()
     first_row = jax.process_index() * per_proc
-    bar = tqdm(range(start, tc.steps), initial=start, total=tc.steps, desc="train", disable=not progress)
-    last = {}
-    with open(metrics_path, "a") as mf:
-        for step in bar:
-            t0 = time.perf_counter()
-            rows = sampler.batch(step, tc.batch).reshape(shape)[:, first_row:first_row + per_proc]
-            state, m = train_step(state, backbone, shard_batch(mesh, rows, shape), config=c, tc=tc)
-            loss = float(m["loss"])  # waits for the step
-            dt = time.perf_counter() - t0
-            rec = {"step": step + 1, "loss": loss, "grad_norm": float(m["grad_norm"]),
-                   "tokens_per_s": tc.batch * tc.seq_len / dt,
-                   "kl_per_layer": [round(float(x), 5) for x in np.asarray(m["kl_per_layer"])]}
-            if eval_every and ((step + 1) % eval_every == 0 or step + 1 == tc.steps or step == start):
-                rec["recall"] = eval_recall(backbone, state.forecast, held_out, c, dtype)
-            mf.write(json.dumps(rec) + "\n")
-            mf.flush()
-            last = rec | ({"recall": rec["recall"]} if "recall" in rec else {"recall": last.get("recall")})
-            bar.set_postfix(loss=f"{loss:.4f}", recall=f"{last['recall']:.3f}" if last.get("recall") else "-",
-                            tok_s=f"{rec['tokens_per_s']:.0f}")
-            ckpt.save(step + 1, state, force=step + 1 == tc.steps)
+
+    def step_fn(state, step):
+        rows = data.sampler.batch(step, tc.batch).reshape(shape)[:, first_row:first_row + per_proc]
+        state, m = train_step(state, backbone, shard_batch(mesh, rows, shape), config=c, tc=tc)
+        return state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),  # float(): waits for the step
+                       "kl_per_layer": [round(float(x), 5) for x in np.asarray(m["kl_per_layer"])]}
+
+    metrics_path = out / "metrics.jsonl"
+    state, last = run_steps(state, step_fn, lambda s: {"recall": eval_recall(backbone, s.forecast, held_out, c, dtype)},
+                            start=int(state.step), steps=tc.steps, tokens_per_step=tc.batch * tc.seq_len,
+                            eval_every=eval_every, ckpt=ckpt, metrics_path=metrics_path, progress=progress)
     ckpt.wait()
     ckpt.close()
     export = save_forecast(out / "forecast.safetensors", state.forecast, c,

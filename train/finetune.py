@@ -1,0 +1,257 @@
+"""LoRA fine-tuning of a backbone under InfLLM-V2 sparse attention (`sparda finetune`).
+
+A model trained with dense attention loses text it can no longer see when it runs sparse (mode
+"sparse": each layer attends only to the blocks its own queries select). Fine-tuning it under
+that mode teaches it to make do with what the selection keeps. The adapters sit on the attention
+projections alone (q, k, v, o; `io.adapter_file.LoraConfig`): the sparse pattern changes what
+attention sees, while the MLPs read the same kind of input as before and stay untouched.
+
+The adapter is its own pytree ({target: {"a", "b"}}, float32 masters), merged into the frozen
+backbone's weights before each forward (`io.adapter_file.merge_adapter`: W + alpha/r * A @ B),
+so the model code is the same for training and inference. B starts at zero: step 0 is the base
+model. The loss is the next-token NLL of the merged model in mode "sparse"; its gradient reaches
+the adapter through `sparse_attention`'s custom VJP, while the block choice (a top-k) carries
+none. `FinetuneConfig.dense_weight` mixes in the dense-mode NLL of the same merged weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sparda_jax.api import Pretrained
+from sparda_jax.config import Implementations, ModelConfig, check_float, check_instance
+from sparda_jax.io.adapter_file import LoraConfig, adapter_shapes, merge_adapter, save_adapter
+from sparda_jax.modes import forward
+
+from .augment import RetrievalMix
+from .checkpoint import Checkpointer
+from .objective import check_run_settings, make_optimizer
+from .run import held_out_tokens, make_mesh, plot_metrics, run_record, run_steps, shard_batch, training_data
+
+__all__ = ["FinetuneConfig", "AdapterState", "init_adapter", "token_nll", "finetune_loss", "init_adapter_state",
+           "finetune_step", "heldout_nll", "finetune"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """The adapter (`lora`), the loss, the batch and the optimizer of a fine-tuning run.
+
+    dense_weight w in [0, 1]: the loss is (1 - w) * NLL_sparse + w * NLL_dense. The merged
+    weights serve the dense mode too (short prompts, the dense baseline the sparse mode is
+    measured against): w > 0 keeps that mode from drifting, and w = 1 is the control run that
+    adapts to the data alone. w = 0 (default) skips the dense pass.
+    Defaults (docs/finetune.md: a run that fits ~8 minutes of one H200 for SmolLM2-135M): 60
+    steps of 8 sequences of 4096 tokens, AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight
+    decay; a short run), grad-norm clip 1, bf16 compute. `steps` is left out of equality and
+    hash: a step computes the same whatever the run's length, so a lengthened run reuses the
+    compiled step.
+    """
+
+    lora: LoraConfig = LoraConfig()
+    dense_weight: float = 0.0
+    seq_len: int = 4096
+    batch: int = 8
+    micro_batch: int = 8
+    steps: int = dataclasses.field(default=60, compare=False)
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip: float = 1.0
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self):
+        c = "FinetuneConfig"
+        check_instance(c, "lora", self.lora, LoraConfig)
+        check_float(c, "dense_weight", self.dense_weight, lo=0, hi=1)
+        check_run_settings(c, self)
+
+    @property
+    def accumulation(self) -> int:
+        return self.batch // self.micro_batch
+
+
+@functools.partial(jax.jit, static_argnames=("config", "lora"))
+def init_adapter(config: ModelConfig, lora: LoraConfig, key: jax.Array) -> dict:
+    """A fresh adapter, float32: A ~ N(0, 1 / in) (in: the projection's fan-in), B = 0, so the
+    merged model equals the base model."""
+    out = {}
+    for t, shapes in adapter_shapes(config, lora).items():
+        key, sub = jax.random.split(key)
+        a = shapes["a"]
+        out[t] = {"a": jax.random.normal(sub, a, jnp.float32) / math.sqrt(a[1]),
+                  "b": jnp.zeros(shapes["b"], jnp.float32)}
+    return out
+
+
+def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    """logits [B, T, V], tokens int [B, T] -> float32 [B, T - 1]: -log p(tokens[:, t + 1] | the
+    tokens up to t)."""
+    z = logits[:, :-1].astype(jnp.float32)
+    picked = jnp.take_along_axis(z, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jax.nn.logsumexp(z, axis=-1) - picked
+
+
+def _parts(fc: FinetuneConfig) -> tuple[str, ...]:
+    return ("nll_sparse", "nll_dense") if fc.dense_weight > 0 else ("nll_sparse",)
+
+
+def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: ModelConfig, fc: FinetuneConfig,
+                  implementations: Implementations = Implementations()):
+    """(1 - w) * NLL_sparse + w * NLL_dense (w = fc.dense_weight; the dense pass only when
+    w > 0), each the mean over all B * (T - 1) next-token predictions of the backbone with the
+    adapter merged in, computed in fc.dtype. tokens int [B, T]; implementations: the ops'
+    backends (`modes.forward`). Returns (loss, {"nll_sparse"[, "nll_dense"]: float32 scalar})."""
+    params = merge_adapter(backbone, adapter, fc.lora)
+    dtype = jnp.dtype(fc.dtype)
+    nll = lambda mode: jnp.mean(token_nll(forward(params, tokens, config, mode=mode, dtype=dtype,
+                                                  implementations=implementations), tokens))
+    parts = {name: nll(name.removeprefix("nll_")) for name in _parts(fc)}
+    w = fc.dense_weight
+    loss = parts["nll_sparse"] if w == 0 else (1 - w) * parts["nll_sparse"] + w * parts["nll_dense"]
+    return loss, parts
+
+
+class AdapterState(struct.PyTreeNode):
+    step: jax.Array
+    adapter: dict  # float32 master parameters
+    opt_state: optax.OptState
+
+
+def init_adapter_state(adapter: dict, fc: FinetuneConfig) -> AdapterState:
+    # a copy: finetune_step donates the state, and the caller may still hold these arrays
+    adapter = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True), adapter)
+    return AdapterState(jnp.zeros((), jnp.int32), adapter, make_optimizer(fc).init(adapter))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "fc"), donate_argnames=("state",))
+def finetune_step(state: AdapterState, backbone: dict, batch: jax.Array, *, config: ModelConfig,
+                  fc: FinetuneConfig):
+    """batch int [accumulation, micro_batch, T] -> (new state, metrics {"loss", "grad_norm",
+    "nll_sparse"[, "nll_dense"]}). Only the adapter is differentiated and updated; gradients
+    and losses are averaged over the micro-batches (each has the same number of predictions)."""
+    grad_fn = jax.value_and_grad(functools.partial(finetune_loss, config=config, fc=fc), has_aux=True)
+
+    def micro(acc, tokens):
+        (loss, parts), g = grad_fn(state.adapter, backbone, tokens)
+        return jax.tree.map(jnp.add, acc, (loss, parts, g)), None
+
+    zero = (jnp.float32(0), {k: jnp.float32(0) for k in _parts(fc)}, jax.tree.map(jnp.zeros_like, state.adapter))
+    (loss, parts, grads), _ = jax.lax.scan(micro, zero, batch)
+    n = batch.shape[0]
+    loss, parts, grads = jax.tree.map(lambda x: x / n, (loss, parts, grads))
+    updates, opt_state = make_optimizer(fc).update(grads, state.opt_state, state.adapter)
+    adapter = optax.apply_updates(state.adapter, updates)
+    return AdapterState(state.step + 1, adapter, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads),
+                                                               **parts}
+
+
+def heldout_nll(params: dict, tokens: jax.Array, config: ModelConfig, dtype) -> dict:
+    """Mean next-token NLL of tokens int [B, T] under the dense and the sparse mode, over all
+    predictions and over those made from position T/2 on ("_late", `eval.selection`'s late
+    half): {"heldout_dense", "heldout_sparse", "heldout_dense_late", "heldout_sparse_late"} as
+    Python floats."""
+    out = {}
+    for mode in ("dense", "sparse"):
+        every, late = _mean_nll(forward(params, tokens, config, mode=mode, dtype=dtype), tokens)
+        out[f"heldout_{mode}"], out[f"heldout_{mode}_late"] = float(every), float(late)
+    return {k: out[k] for k in ("heldout_dense", "heldout_sparse", "heldout_dense_late", "heldout_sparse_late")}
+
+
+_merge = jax.jit(merge_adapter, static_argnums=2)
+
+
+@jax.jit
+def _mean_nll(logits, tokens):
+    nll = token_nll(logits, tokens)
+    return jnp.mean(nll), jnp.mean(nll[:, tokens.shape[1] // 2:])
+
+
+def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
+             save_every: int = 10, keep: int = 3, eval_every: int = 20, eval_len: int | None = None,
+             eval_seqs: int = 2, mix: RetrievalMix = RetrievalMix(), override: bool = False, progress: bool = True,
+             log=print) -> dict:
+    """Fine-tune a LoRA adapter of `model` under sparse attention; resumes from
+    out_dir/checkpoints if present. Writes metrics.jsonl (per step: loss, its NLL parts,
+    grad_norm, tokens/s; with an evaluation, `heldout_nll`'s four numbers), metrics.png,
+    adapter.safetensors (`io.adapter_file`) and config.json under out_dir.
+
+    Data (data_paths, mix), the held-out text (eval_seqs windows of eval_len tokens, default
+    min(seq_len, 8192)), the mesh (data_devices), checkpoints (save_every, keep) and the resume
+    rules (override) are `train.run.train`'s. eval_every: every this many steps and at the
+    first and last step; 0: never. Raises ValueError for a seq_len at which the model's sparse
+    mode sees every block (or runs dense: below `sparse.dense_len`), and as `train` does.
+    """
+    if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
+        raise ValueError(f"eval_every must be an int >= 0 (0: never), got {eval_every!r}")
+    if isinstance(eval_seqs, bool) or not isinstance(eval_seqs, int) or eval_seqs < 1:
+        raise ValueError(f"eval_seqs must be an int >= 1, got {eval_seqs!r}")
+    if not isinstance(fc, FinetuneConfig):
+        raise TypeError(f"fc must be a FinetuneConfig, got {type(fc).__name__}")
+    c = model.config
+    sp = c.sparse
+    if fc.seq_len <= sp.topk * sp.block_size or fc.seq_len < sp.dense_len:
+        raise ValueError(f"seq_len {fc.seq_len}: {c.name}'s sparse mode is dense there (a budget of {sp.topk} "
+                         f"blocks of {sp.block_size} tokens, dense below {sp.dense_len} tokens); fine-tune on "
+                         f"longer sequences")
+    data = training_data(model, fc.seq_len, fc.seed, data_paths, mix)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    held_out = held_out_tokens(model, eval_len or min(fc.seq_len, 8192), seed=fc.seed + 7, data_paths=data_paths,
+                               count=eval_seqs, log=log)
+    mesh = make_mesh(data_devices)
+    n_data = mesh.devices.size
+    if fc.micro_batch % n_data:
+        raise ValueError(f"micro_batch ({fc.micro_batch}) must be a multiple of the data devices ({n_data})")
+    ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
+    # checked before any work on the device: a refused resume costs nothing
+    record = run_record(out / "config.json", {
+        "model": c.name, "train": asdict(fc), "sparse": asdict(sp), "mix": asdict(mix), "data": data.record},
+        ckpt.latest_step() or 0, override=override)
+    replicated = NamedSharding(mesh, P())
+    dtype = jnp.dtype(fc.dtype)
+    backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
+    state = jax.device_put(init_adapter_state(init_adapter(c, fc.lora, jax.random.key(fc.seed)), fc), replicated)
+    restored = ckpt.restore(state)
+    if restored is not None:
+        state = restored
+        log(f"resumed from step {int(state.step)}")
+    (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(data.stream.size),
+                                                          "data_devices": n_data}, indent=2))
+    shape = (fc.accumulation, fc.micro_batch, fc.seq_len)
+    per_proc = fc.micro_batch // jax.process_count()
+    first_row = jax.process_index() * per_proc
+
+    def step_fn(state, step):
+        rows = data.sampler.batch(step, fc.batch).reshape(shape)[:, first_row:first_row + per_proc]
+        state, m = finetune_step(state, backbone, shard_batch(mesh, rows, shape), config=c, fc=fc)
+        return state, {k: float(v) for k, v in m.items()}  # float(): waits for the step
+
+    def evaluate(state):
+        return heldout_nll(_merge(backbone, state.adapter, fc.lora), held_out, c, dtype)
+
+    metrics_path = out / "metrics.jsonl"
+    state, last = run_steps(state, step_fn, evaluate, start=int(state.step), steps=fc.steps,
+                            tokens_per_step=fc.batch * fc.seq_len, eval_every=eval_every, ckpt=ckpt,
+                            metrics_path=metrics_path, progress=progress)
+    ckpt.wait()
+    ckpt.close()
+    export = save_adapter(out / "adapter.safetensors", state.adapter, c, fc.lora,
+                          metadata={"steps": int(state.step), "train": asdict(fc), "sparse": asdict(sp)})
+    plot_metrics(metrics_path, out / "metrics.png", loss_label="next-token NLL (training windows)",
+                 eval_keys=("heldout_dense", "heldout_sparse"), eval_label="NLL (nats / token)", eval_title="held-out NLL",
+                 eval_ylim=None)
+    return {"steps": int(state.step), "final": last, "adapter": str(export), "metrics": str(metrics_path)}

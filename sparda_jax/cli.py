@@ -479,6 +479,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiles and weight conversion)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
+    def run_args(p, product: str, *, steps: int, batch: int, micro_batch: int):
+        """The flags `train` and `finetune` share: data, run directory, window, steps, batch, lr."""
+        p.add_argument("--data", nargs="+", help=".txt/.md files or directories, or a token corpus directory "
+                                                 "(default: the training split of the Python docs shipped with CPython)")
+        p.add_argument("--out", required=True, help=f"run directory: checkpoints, metrics, {product}")
+        p.add_argument("--seq-len", type=int, default=4096)
+        p.add_argument("--steps", type=int, default=steps)
+        p.add_argument("--batch", type=int, default=batch, help="effective batch (sequences per step)")
+        p.add_argument("--micro-batch", type=int, default=micro_batch,
+                       help="sequences per forward (gradient accumulation)")
+        p.add_argument("--lr", type=float, default=5e-4)
+        p.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
+
     def model_args(sp, default="smollm2-135m"):
         sp.add_argument("--model", default=default,
                         help="smollm2-135m, smollm2-135m-sparse (with its sparse-attention adapter), a .gguf file "
@@ -548,15 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train the Forecast (frozen backbone); resumes from --out")
     model_args(t)
-    t.add_argument("--data", nargs="+", help=".txt/.md files or directories (default: the training split "
-                                             "of the Python docs shipped with CPython)")
-    t.add_argument("--out", required=True, help="run directory: checkpoints, metrics, forecast.safetensors")
-    t.add_argument("--seq-len", type=int, default=4096)
-    t.add_argument("--steps", type=int, default=2000)
-    t.add_argument("--batch", type=int, default=32, help="effective batch (sequences per step)")
-    t.add_argument("--micro-batch", type=int, default=4, help="sequences per forward (gradient accumulation)")
-    t.add_argument("--lr", type=float, default=5e-4)
-    t.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
+    run_args(t, "forecast.safetensors", steps=2000, batch=32, micro_batch=4)
     t.add_argument("--teacher", type=int, nargs=2, metavar=("KERNEL", "STRIDE"),
                    help="teacher compression (default 2 1; the paper's ablation uses 32 16)")
     t.add_argument("--supervision-k", type=_positive_int,
@@ -590,15 +595,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft = sub.add_parser("finetune", help="fine-tune a LoRA adapter of the attention projections under sparse "
                                          "attention (frozen backbone); resumes from --out")
     model_args(ft)
-    ft.add_argument("--data", nargs="+", help=".txt/.md files or directories, or a token corpus directory (default: "
-                                              "the training split of the Python docs shipped with CPython)")
-    ft.add_argument("--out", required=True, help="run directory: checkpoints, metrics, adapter.safetensors")
-    ft.add_argument("--seq-len", type=int, default=4096)
-    ft.add_argument("--steps", type=int, default=60)
-    ft.add_argument("--batch", type=int, default=8, help="effective batch (sequences per step)")
-    ft.add_argument("--micro-batch", type=int, default=8, help="sequences per forward (gradient accumulation)")
-    ft.add_argument("--lr", type=float, default=5e-4)
-    ft.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
+    run_args(ft, "adapter.safetensors", steps=60, batch=8, micro_batch=8)
     ft.add_argument("--rank", type=_positive_int, default=32, help="LoRA rank")
     ft.add_argument("--alpha", type=float, help="LoRA alpha: the update is scaled by alpha / rank (default 2 x rank)")
     ft.add_argument("--dense-weight", type=float, default=0.0,

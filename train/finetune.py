@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparda_jax.api import Pretrained
 from sparda_jax.config import Implementations, ModelConfig, check_float, check_instance
@@ -37,7 +36,7 @@ from sparda_jax.modes import forward
 from .augment import RetrievalMix
 from .checkpoint import Checkpointer
 from .objective import check_run_settings, make_optimizer
-from .run import held_out_tokens, make_mesh, plot_metrics, run_record, run_steps, shard_batch, training_data
+from .run import held_out_tokens, make_mesh, place_run, plot_metrics, run_record, run_steps, step_batch, training_data
 
 __all__ = ["FinetuneConfig", "AdapterState", "init_adapter", "token_nll", "finetune_loss", "init_adapter_state",
            "finetune_step", "heldout_nll", "finetune"]
@@ -221,23 +220,15 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
     record = run_record(out / "config.json", {
         "model": c.name, "train": asdict(fc), "sparse": asdict(sp), "mix": asdict(mix), "data": data.record},
         ckpt.latest_step() or 0, override=override)
-    replicated = NamedSharding(mesh, P())
     dtype = jnp.dtype(fc.dtype)
-    backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
-    state = jax.device_put(init_adapter_state(init_adapter(c, fc.lora, jax.random.key(fc.seed)), fc), replicated)
-    restored = ckpt.restore(state)
-    if restored is not None:
-        state = restored
-        log(f"resumed from step {int(state.step)}")
+    backbone, state = place_run(model, init_adapter_state(init_adapter(c, fc.lora, jax.random.key(fc.seed)), fc),
+                                dtype, mesh, ckpt, log)
     (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(data.stream.size),
                                                           "data_devices": n_data}, indent=2))
-    shape = (fc.accumulation, fc.micro_batch, fc.seq_len)
-    per_proc = fc.micro_batch // jax.process_count()
-    first_row = jax.process_index() * per_proc
 
     def step_fn(state, step):
-        rows = data.sampler.batch(step, fc.batch).reshape(shape)[:, first_row:first_row + per_proc]
-        state, m = finetune_step(state, backbone, shard_batch(mesh, rows, shape), config=c, fc=fc)
+        batch = step_batch(data, mesh, step, batch=fc.batch, micro_batch=fc.micro_batch, seq_len=fc.seq_len)
+        state, m = finetune_step(state, backbone, batch, config=c, fc=fc)
         return state, {k: float(v) for k, v in m.items()}  # float(): waits for the step
 
     def evaluate(state):

@@ -29,7 +29,7 @@ from .data import WindowSampler, is_shard_dir, load_documents, token_stream
 from .objective import TrainConfig, init_state, train_step
 
 __all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics", "TrainingData", "training_data",
-           "held_out_tokens", "run_record", "run_steps"]
+           "held_out_tokens", "run_record", "run_steps", "place_run", "step_batch"]
 
 
 def make_mesh(data_devices: int | None = None) -> Mesh:
@@ -179,6 +179,29 @@ def held_out_tokens(model: Pretrained, n_tokens: int, *, seed: int, data_paths=N
     return jnp.asarray(np.stack([np.asarray(r, np.int32) for r in rows]), jnp.int32)
 
 
+def place_run(model: Pretrained, state, dtype, mesh: Mesh, ckpt: Checkpointer, log=print) -> tuple:
+    """(the frozen backbone in `dtype`, the train state) replicated on the mesh, the state
+    restored from the newest checkpoint when there is one."""
+    replicated = NamedSharding(mesh, P())
+    backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
+    state = jax.device_put(state, replicated)
+    restored = ckpt.restore(state)
+    if restored is not None:
+        state = restored
+        log(f"resumed from step {int(state.step)}")
+    return backbone, state
+
+
+def step_batch(data: TrainingData, mesh: Mesh, step: int, *, batch: int, micro_batch: int, seq_len: int) -> jax.Array:
+    """Step `step`'s windows as [batch // micro_batch, micro_batch, seq_len] on the mesh, of which
+    this process reads its share of each micro-batch (the same windows on every process count)."""
+    shape = (batch // micro_batch, micro_batch, seq_len)
+    per_proc = micro_batch // jax.process_count()
+    first = jax.process_index() * per_proc
+    rows = data.sampler.batch(step, batch).reshape(shape)[:, first:first + per_proc]
+    return shard_batch(mesh, rows, shape)
+
+
 def run_steps(state, step_fn: Callable, evaluate: Callable, *, start: int, steps: int, tokens_per_step: int,
               eval_every: int, ckpt: Checkpointer, metrics_path: Path, progress: bool = True):
     """The loop of `train` and `finetune` over steps [start, steps).
@@ -254,24 +277,15 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
         "model": c.name, "train": asdict(tc), "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
         "mix": asdict(mix), "data": data.record} | ({"init": init_record} if init is not None else {}),
         ckpt.latest_step() or 0, override=override)
-    replicated = NamedSharding(mesh, P())
     dtype = jnp.dtype(tc.dtype)
-    backbone = jax.device_put(jax.tree.map(lambda a: a.astype(dtype), model.params), replicated)
     start_forecast = init if init is not None else init_forecast(c, jax.random.key(tc.seed))
-    state = jax.device_put(init_state(start_forecast, tc), replicated)
-    restored = ckpt.restore(state)
-    if restored is not None:
-        state = restored
-        log(f"resumed from step {int(state.step)}")
+    backbone, state = place_run(model, init_state(start_forecast, tc), dtype, mesh, ckpt, log)
     (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(data.stream.size),
                                                           "data_devices": n_data}, indent=2))
-    shape = (tc.accumulation, tc.micro_batch, tc.seq_len)
-    per_proc = tc.micro_batch // jax.process_count()
-    first_row = jax.process_index() * per_proc
 
     def step_fn(state, step):
-        rows = data.sampler.batch(step, tc.batch).reshape(shape)[:, first_row:first_row + per_proc]
-        state, m = train_step(state, backbone, shard_batch(mesh, rows, shape), config=c, tc=tc)
+        batch = step_batch(data, mesh, step, batch=tc.batch, micro_batch=tc.micro_batch, seq_len=tc.seq_len)
+        state, m = train_step(state, backbone, batch, config=c, tc=tc)
         return state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),  # float(): waits for the step
                        "kl_per_layer": [round(float(x), 5) for x in np.asarray(m["kl_per_layer"])]}
 

@@ -479,8 +479,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "compiles and weight conversion)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def run_args(p, product: str, *, steps: int, batch: int, micro_batch: int):
-        """The flags `train` and `finetune` share: data, run directory, window, steps, batch, lr."""
+    def run_args(p, product: str, *, steps: int, batch: int, micro_batch: int, save_every: int):
+        """The flags `train` and `finetune` share: data and its retrieval windows, run directory,
+        window, steps, batch, lr, resume, mesh, checkpoints, seed."""
         p.add_argument("--data", nargs="+", help=".txt/.md files or directories, or a token corpus directory "
                                                  "(default: the training split of the Python docs shipped with CPython)")
         p.add_argument("--out", required=True, help=f"run directory: checkpoints, metrics, {product}")
@@ -491,6 +492,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sequences per forward (gradient accumulation)")
         p.add_argument("--lr", type=float, default=5e-4)
         p.add_argument("--train-dtype", choices=_DTYPES, default="bfloat16")
+        p.add_argument("--repeat-share", type=float, default=0.0,
+                       help="share of training windows given a long-range repeated span (train.augment)")
+        p.add_argument("--scatter-share", type=float, default=0.0,
+                       help="share of training windows given a shuffled copy of scattered short spans")
+        p.add_argument("--override", action="store_true",
+                       help="resume although settings differ from the run's config.json (the change is recorded there)")
+        p.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
+        p.add_argument("--save-every", type=int, default=save_every)
+        p.add_argument("--keep", type=int, default=3)
+        p.add_argument("--seed", type=int, default=0)
 
     def model_args(sp, default="smollm2-135m"):
         sp.add_argument("--model", default=default,
@@ -561,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train the Forecast (frozen backbone); resumes from --out")
     model_args(t)
-    run_args(t, "forecast.safetensors", steps=2000, batch=32, micro_batch=4)
+    run_args(t, "forecast.safetensors", steps=2000, batch=32, micro_batch=4, save_every=100)
     t.add_argument("--teacher", type=int, nargs=2, metavar=("KERNEL", "STRIDE"),
                    help="teacher compression (default 2 1; the paper's ablation uses 32 16)")
     t.add_argument("--supervision-k", type=_positive_int,
@@ -572,21 +583,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ablation: the state the Forecast of layer l reads: prev_input (SparDA: layer l-1's "
                         "normed input), prev_mid (layer l-1's normed state after its attention), own_input "
                         "(layer l's own input: no lead; forward-only)")
-    t.add_argument("--repeat-share", type=float, default=0.0,
-                   help="share of training windows given a long-range repeated span (train.augment)")
-    t.add_argument("--scatter-share", type=float, default=0.0,
-                   help="share of training windows given a shuffled copy of scattered short spans")
     t.add_argument("--init-forecast", metavar="FILE",
                    help="start from this Forecast .safetensors ('shipped': the one shipped for the model) "
                         "instead of a random one; the optimizer starts fresh")
-    t.add_argument("--override", action="store_true",
-                   help="resume although settings differ from the run's config.json (the change is recorded there)")
-    t.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
-    t.add_argument("--save-every", type=int, default=100)
-    t.add_argument("--keep", type=int, default=3)
     t.add_argument("--eval-every", type=_nonnegative_int, default=50,
                    help="recall on held-out text every this many steps (and at the first and last; 0: never)")
-    t.add_argument("--seed", type=int, default=0)
     t.add_argument("--coordinator", help="multi-host: coordinator address for jax.distributed")
     t.add_argument("--num-processes", type=int)
     t.add_argument("--process-id", type=int)
@@ -595,25 +596,15 @@ def build_parser() -> argparse.ArgumentParser:
     ft = sub.add_parser("finetune", help="fine-tune a LoRA adapter of the attention projections under sparse "
                                          "attention (frozen backbone); resumes from --out")
     model_args(ft)
-    run_args(ft, "adapter.safetensors", steps=60, batch=8, micro_batch=8)
+    run_args(ft, "adapter.safetensors", steps=60, batch=8, micro_batch=8, save_every=10)
     ft.add_argument("--rank", type=_positive_int, default=32, help="LoRA rank")
     ft.add_argument("--alpha", type=float, help="LoRA alpha: the update is scaled by alpha / rank (default 2 x rank)")
     ft.add_argument("--dense-weight", type=float, default=0.0,
                     help="weight w of the dense-mode NLL in the loss (1 - w) sparse + w dense: w > 0 keeps the dense "
                          "mode of the adapted weights from drifting, 1 is the dense-only control")
-    ft.add_argument("--repeat-share", type=float, default=0.0,
-                    help="share of training windows given a long-range repeated span (train.augment)")
-    ft.add_argument("--scatter-share", type=float, default=0.0,
-                    help="share of training windows given a shuffled copy of scattered short spans")
-    ft.add_argument("--override", action="store_true",
-                    help="resume although settings differ from the run's config.json (the change is recorded there)")
-    ft.add_argument("--data-devices", type=int, help="devices on the data-parallel mesh (default: all)")
-    ft.add_argument("--save-every", type=int, default=10)
-    ft.add_argument("--keep", type=int, default=3)
     ft.add_argument("--eval-every", type=_nonnegative_int, default=20,
                     help="held-out NLL, dense and sparse, every this many steps (and at the first and last; 0: never)")
     ft.add_argument("--eval-seqs", type=_positive_int, default=2, help="held-out windows of min(seq-len, 8192) tokens")
-    ft.add_argument("--seed", type=int, default=0)
     ft.set_defaults(fn=_cmd_finetune)
 
     bn = sub.add_parser("bench", help="efficiency benchmarks, each writing a JSON with its provenance")

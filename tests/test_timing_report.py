@@ -88,12 +88,22 @@ def test_generate_reads_the_prompt_token_before_the_first_decode_step_compiles(m
     assert t.steady_steps == 4 and t.steady_tokens_per_s == pytest.approx(4 / 3)
 
 
-def test_generate_command_prints_the_first_call_apart(monkeypatch, capsys):
-    """`sparda generate`'s stderr line, with a stub model and a stub `generate` whose first
-    decode step is 60 fake seconds and later ones 0.25."""
+def _stub_cli_generate(monkeypatch, tok, fake_generate) -> None:
+    """`sparda generate` on a stub model with tokenizer `tok`, its `generate` replaced."""
     import sparda_jax.api as api
     import sparda_jax.cli as cli
     import sparda_jax.infer.generate as gen
+
+    monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(tokenizer=tok, params=None, config=None,
+                                                                         dtype=None))
+    monkeypatch.setattr(api, "prepare_modes", lambda model, modes, seed: {})
+    monkeypatch.setattr(gen, "generate", fake_generate)
+
+
+def test_generate_command_prints_the_first_call_apart(monkeypatch, capsys):
+    """`sparda generate`'s stderr line, with a stub model and a stub `generate` whose first
+    decode step is 60 fake seconds and later ones 0.25."""
+    import sparda_jax.cli as cli
     import sparda_jax.infer.timing as timing
 
     now = [0.0]
@@ -120,10 +130,7 @@ def test_generate_command_prints_the_first_call_apart(monkeypatch, capsys):
             on_step(out)
         return out
 
-    monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(tokenizer=Tok(), params=None, config=None,
-                                                                         dtype=None))
-    monkeypatch.setattr(api, "prepare_modes", lambda model, modes, seed: {})
-    monkeypatch.setattr(gen, "generate", fake_generate)
+    _stub_cli_generate(monkeypatch, Tok(), fake_generate)
     assert cli.main(["--no-compile-cache", "generate", "--prompt", "hello", "--max-new-tokens", "10"]) == 0
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err == ("[5 prompt tokens, 10 new tokens in 65.0 s: prefill 3.00 s, first step 60.00 s, "
@@ -135,14 +142,11 @@ def test_generate_trace_writes_a_chrome_trace_and_a_summary(monkeypatch, capsys,
     programs it ran, and stderr says where the time went."""
     import gzip
     import json
-    import types
 
     import jax
     import jax.numpy as jnp
 
-    import sparda_jax.api as api
     import sparda_jax.cli as cli
-    import sparda_jax.infer.generate as gen
 
     class Tok:
         eos_ids = (0,)
@@ -158,10 +162,7 @@ def test_generate_trace_writes_a_chrome_trace_and_a_summary(monkeypatch, capsys,
             on_step(out)
         return out
 
-    monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(tokenizer=Tok(), params=None, config=None,
-                                                                         dtype=None))
-    monkeypatch.setattr(api, "prepare_modes", lambda model, modes, seed: {})
-    monkeypatch.setattr(gen, "generate", fake_generate)
+    _stub_cli_generate(monkeypatch, Tok(), fake_generate)
     path = tmp_path / "gen.trace.json.gz"
     assert cli.main(["--no-compile-cache", "generate", "--prompt", "hi", "--max-new-tokens", "3",
                      "--trace", str(path)]) == 0

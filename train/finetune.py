@@ -211,10 +211,8 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
     out.mkdir(parents=True, exist_ok=True)
     held_out = held_out_tokens(model, eval_len or min(fc.seq_len, 8192), seed=fc.seed + 7, data_paths=data_paths,
                                count=eval_seqs, log=log)
-    mesh = make_mesh(data_devices)
+    mesh = make_mesh(data_devices, micro_batch=fc.micro_batch)
     n_data = mesh.devices.size
-    if fc.micro_batch % n_data:
-        raise ValueError(f"micro_batch ({fc.micro_batch}) must be a multiple of the data devices ({n_data})")
     ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
     # checked before any work on the device: a refused resume costs nothing
     record = run_record(out / "config.json", {

@@ -32,13 +32,16 @@ __all__ = ["make_mesh", "shard_batch", "train", "eval_recall", "plot_metrics", "
            "held_out_tokens", "run_record", "run_steps", "place_run", "step_batch"]
 
 
-def make_mesh(data_devices: int | None = None) -> Mesh:
+def make_mesh(data_devices: int | None = None, *, micro_batch: int | None = None) -> Mesh:
     """A 1-D data-parallel mesh over the first `data_devices` devices (all by default; across
-    hosts after `jax.distributed.initialize()`)."""
+    hosts after `jax.distributed.initialize()`). micro_batch: ValueError unless it splits evenly
+    over the mesh."""
     devices = jax.devices()
     n = len(devices) if data_devices is None else data_devices
     if not 1 <= n <= len(devices):
         raise ValueError(f"mesh needs 1..{len(devices)} devices, asked for {n}")
+    if micro_batch is not None and micro_batch % n:
+        raise ValueError(f"micro_batch ({micro_batch}) must be a multiple of the data devices ({n})")
     return Mesh(np.asarray(devices[:n]), ("data",))
 
 
@@ -267,10 +270,8 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
         init_from = Path(init_from)
         init = load_forecast(init_from, c)  # FileNotFoundError / CheckpointError before any work
         init_record = {"file": init_from.name, "sha256": hashlib.sha256(init_from.read_bytes()).hexdigest()}
-    mesh = make_mesh(data_devices)
+    mesh = make_mesh(data_devices, micro_batch=tc.micro_batch)
     n_data = mesh.devices.size
-    if tc.micro_batch % n_data:
-        raise ValueError(f"micro_batch ({tc.micro_batch}) must be a multiple of the data devices ({n_data})")
     ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
     # the record is checked before any work on the device: a refused resume costs nothing
     record = run_record(out / "config.json", {

@@ -55,7 +55,7 @@ def _mosaic_support(implementation: str, q, k, v, block_size: int, bias) -> None
         raise NotImplementedError("the Mosaic GPU decode kernel (Tq == 1) takes no bias")
     d = q.shape[-1]
     # compiled: the head dims the kernels were validated at on the H200; interpreted: their rule
-    dims_ok = (d in ((64, 128) if decode else (128,))) if implementation == "mosaic_gpu" else d % 64 == 0
+    dims_ok = d in (64, 128) if implementation == "mosaic_gpu" else d % 64 == 0
     if not dims_ok:
         raise NotImplementedError(f"the Mosaic GPU {'decode' if decode else 'prefill'} kernel does not take head dim {d}")
 

@@ -51,6 +51,7 @@ FOLDERS = {
 # What each kept run is, and the decision or claim it backs. No measured values here: those are
 # read from the files.
 FILES = {
+    "attention/train.json": "forward + backward vs cuDNN's at 32K-128K, batch 4, after a gradient check of each sparse variant",
     "attention/random.json": "kernels vs cuDNN, prefill batch 4 and decode batch 16/64, random selections",
     "attention/prefill_rho099.json": "prefill kernels vs cuDNN on selections alike between neighbours "
                                      "(Forecast queries AR(1), rho 0.99), the realistic case",

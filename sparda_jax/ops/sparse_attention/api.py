@@ -3,10 +3,10 @@
 Backends (default order "mosaic_gpu", "xla"):
   "xla"                  the jnp reference (`reference.py`; any platform, any block_ids layout);
   "mosaic_gpu"           the Pallas Mosaic GPU kernels on a Hopper GPU: Tq > 1 goes to the
-                         prefill kernel (`prefill.py`; bias allowed, any order of block ids,
-                         head dim 128), Tq == 1 to the decode kernel (`decode.py`; no bias, head
-                         dim 64 or 128, block ids as the selectors emit them: ascending, unique,
-                         -1 padding at the end). bf16/f16 and 64-token blocks;
+                         prefill kernel (`prefill.py`; bias allowed, any order of block ids),
+                         Tq == 1 to the decode kernel (`decode.py`; no bias, block ids as
+                         the selectors emit them: ascending, unique, -1 padding at the end).
+                         bf16/f16, 64-token blocks, head dim 64 or 128;
   "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
                          any head dim that is a multiple of 64.
 A Mosaic backend raises NotImplementedError for inputs outside that envelope, so None falls

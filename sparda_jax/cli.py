@@ -621,6 +621,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--lengths", type=int, nargs="+", help="contexts (select/attention/prefill default 32768 65536 "
                                                            "131072; decode 131072; cta 32768)")
     bn.add_argument("--batch", type=int, help="select/attention: prefill batch (default 4)")
+    bn.add_argument("--data-devices", type=int,
+                    help="train: time one device and a data-parallel mesh of this many in the same run (0: all)")
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
     bn.add_argument("--variants", nargs="+", help="select: forecast_xla infllmv2_xla forecast_mosaic infllmv2_mosaic; "

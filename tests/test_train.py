@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import jax.numpy as jnp
@@ -70,48 +72,18 @@ def test_backbone_gets_no_gradient(tiny_params):
 _DP_SCRIPT = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-    import jax, jax.numpy as jnp, numpy as np
-    from sparda_jax import get_preset, init_forecast, init_model
-    from sparda_jax.train.objective import TrainConfig, forecast_loss, init_state, train_step
-    from sparda_jax.train.run import make_mesh, shard_batch
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jax
+    import dp_check
     assert jax.device_count() == 8
-    c = get_preset("tiny")
-    params = init_model(c, jax.random.key(0))
-    # random init gives near-uniform teacher and student (KL ~1e-4); sharpen both
-    layers = dict(params["layers"])
-    for n in ("q_proj", "k_proj"):
-        layers[n] = {"kernel": layers[n]["kernel"] * 8}
-    params = dict(params, layers=layers)
-    f = jax.tree.map(lambda a: a * 30, init_forecast(c, jax.random.key(1)))
-    tokens = np.asarray(jax.random.randint(jax.random.key(2), (1, 8, 160), 0, c.vocab_size), np.int32)
-    tc = TrainConfig(seq_len=160, batch=8, micro_batch=8, dtype="float32")
-    # one device
-    l1, g1 = jax.value_and_grad(lambda f: forecast_loss(f, params, jnp.asarray(tokens[0]), c)[0])(f)
-    s1, m1 = train_step(init_state(f, tc), params, jnp.asarray(tokens), config=c, tc=tc)
-    # eight: the batch split over 'data', everything else replicated
-    mesh = make_mesh(8)
-    rep = NamedSharding(mesh, P())
-    batch = shard_batch(mesh, tokens, tokens.shape)
-    assert len(batch.sharding.device_set) == 8
-    p8, f8 = jax.device_put(params, rep), jax.device_put(f, rep)
-    l8, g8 = jax.value_and_grad(lambda f: forecast_loss(f, p8, batch[0], c)[0])(f8)
-    s8, m8 = train_step(jax.device_put(init_state(f, tc), rep), p8, batch, config=c, tc=tc)
-    # the same float32 math in another reduction order (rows summed per device, then across
-    # devices): KL terms of both signs cancel, so allow 1e-4 relative, ~1000 ulps
-    np.testing.assert_allclose(l8, l1, rtol=1e-4)
-    gmax = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(g1))
-    for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * gmax)
-    for a, b in zip(jax.tree.leaves(s8.forecast), jax.tree.leaves(s1.forecast)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    assert float(l1) > 1e-3, float(l1)  # a loss with real supervision behind it
-    print("DP-OK", float(l1), float(l8))
+    print("DP-OK", dp_check.check_train_step(8), dp_check.check_finetune_grads(8))
 """)
 
 
 def test_data_parallel_equals_single_device():
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    """`train_step` and the fine-tuning gradients on 8 (fake CPU) devices against one: the data-parallel
+    step under shard_map (tests/dp_check.py; the GPU test runs it on real devices)."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
     r = subprocess.run([sys.executable, "-c", _DP_SCRIPT], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "DP-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
@@ -150,6 +122,73 @@ def test_resume_matches_uninterrupted_run(tmp_path, tiny_params):
         np.testing.assert_array_equal(x, y)
     ckpts = sorted(int(p.name) for p in (tmp_path / "a" / "checkpoints").iterdir() if p.name.isdigit())
     assert ckpts == [4, 6]  # keep=2
+
+
+_KILL_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    import jax
+    from sparda_jax import get_preset, init_model
+    from sparda_jax.api import Pretrained
+    from sparda_jax.train import run
+    from sparda_jax.train.objective import TrainConfig
+    from byte_tokenizer import ByteTokenizer
+    step = run.train_step
+    def slowed(*a, **k):  # time between checkpoints for the parent to kill the run in
+        out = step(*a, **k)
+        jax.block_until_ready(out)
+        time.sleep(float(sys.argv[2]))
+        return out
+    run.train_step = slowed
+    c = get_preset("tiny")
+    model = Pretrained(c, init_model(c, jax.random.key(0)), ByteTokenizer())
+    tc = TrainConfig(seq_len=64, batch=4, micro_batch=2, steps=12, lr=3e-3, dtype="float32")
+    run.train(model, tc, sys.argv[1], data_devices=2, save_every=1, keep=3, eval_every=0, progress=False,
+              log=lambda s: None)
+    print("RUN-DONE")
+""")
+
+
+def _kill_and_resume(tmp_path, platform: str):
+    """A run on a 2-device mesh killed (SIGKILL) after its fourth checkpoint, then started again
+    with the same command, logs the same losses and exports the same Forecast as a run never
+    interrupted."""
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS=platform,
+               PYTHONPATH=os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]))
+    cmd = lambda d, pause: [sys.executable, "-c", _KILL_SCRIPT, str(tmp_path / d), pause]
+    whole = subprocess.Popen(cmd("a", "0"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    killed = subprocess.Popen(cmd("b", "0.4"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    ckpts = tmp_path / "b" / "checkpoints"
+    deadline = time.monotonic() + 300
+    while killed.poll() is None and time.monotonic() < deadline:
+        if ckpts.is_dir() and any(p.name.isdigit() and int(p.name) >= 4 for p in ckpts.iterdir()):
+            killed.kill()
+            break
+        time.sleep(0.02)
+    assert killed.wait() == -signal.SIGKILL, "the run ended before it could be killed"
+    assert not (tmp_path / "b" / "forecast.safetensors").exists()
+    out, err = whole.communicate(timeout=300)
+    assert "RUN-DONE" in out, err[-3000:]
+    r = subprocess.run(cmd("b", "0"), capture_output=True, text=True, env=env, timeout=300)
+    assert "RUN-DONE" in r.stdout, r.stderr[-3000:]
+    load = lambda d: [json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()]
+    a, b = load("a"), load("b")
+    assert [x["step"] for x in b] == list(range(1, 13))
+    np.testing.assert_allclose([x["loss"] for x in b], [x["loss"] for x in a], rtol=1e-6)
+    f_a, f_b = (load_forecast(tmp_path / d / "forecast.safetensors", TINY) for d in "ab")
+    for x, y in zip(jax.tree.leaves(f_a), jax.tree.leaves(f_b)):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_data_parallel_run_resumes_across_a_kill(tmp_path):
+    _kill_and_resume(tmp_path, "cpu")  # two fake CPU devices
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs two or more devices")
+def test_data_parallel_run_resumes_across_a_kill_on_gpus(tmp_path):
+    _kill_and_resume(tmp_path, "cuda")
 
 
 def test_resume_with_other_settings_is_refused_unless_overridden(tmp_path, tiny_params):
@@ -278,3 +317,23 @@ def test_train_reads_a_token_corpus_with_retrieval_windows(tmp_path, tiny_params
     rec = json.loads((tmp_path / "run" / "config.json").read_text())
     assert rec["mix"]["repeat_share"] == 0.5
     assert rec["data"]["tokens"] == sum(len(d) + 1 for d in train_docs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.device_count() < 2, reason="needs two or more devices")
+def test_data_parallel_on_gpus_equals_one_gpu():
+    """The data-parallel step on every GPU of the host against one GPU: Forecast training in
+    float32 (full-precision matmuls, the CPU test's bounds), and the fine-tuning gradients in
+    bf16 on a config whose sparse attention runs the compiled Mosaic kernels under shard_map."""
+    import dp_check
+
+    n = jax.device_count()
+    with jax.default_matmul_precision("highest"):
+        dp_check.check_train_step(n)
+    c, params = dp_check.kernel_sized()
+    hlo = []
+    # bf16 keeps 8 mantissa bits: a program over n times fewer rows may tile its matmuls
+    # otherwise, and each rounding moves a value by up to 2^-8 of it; 2e-2 is ~5 of those
+    dp_check.check_finetune_grads(n, config=c, params=params, dtype="bfloat16", rtol=2e-2, atol_rel=2e-2,
+                                  compiled_text=hlo)
+    assert "mosaic_gpu" in hlo[0], "the sparse attention did not run the Mosaic kernel"

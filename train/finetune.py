@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh
 
 from sparda_jax.api import Pretrained
 from sparda_jax.config import Implementations, ModelConfig, check_float, check_instance
@@ -35,7 +36,7 @@ from sparda_jax.modes import forward
 
 from .augment import RetrievalMix
 from .checkpoint import Checkpointer
-from .objective import check_run_settings, make_optimizer
+from .objective import check_run_settings, make_optimizer, mean_grads
 from .run import held_out_tokens, make_mesh, place_run, plot_metrics, run_record, run_steps, step_batch, training_data
 
 __all__ = ["FinetuneConfig", "AdapterState", "init_adapter", "token_nll", "finetune_loss", "init_adapter_state",
@@ -136,22 +137,16 @@ def init_adapter_state(adapter: dict, fc: FinetuneConfig) -> AdapterState:
     return AdapterState(jnp.zeros((), jnp.int32), adapter, make_optimizer(fc).init(adapter))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "fc"), donate_argnames=("state",))
+@functools.partial(jax.jit, static_argnames=("config", "fc", "mesh"), donate_argnames=("state",))
 def finetune_step(state: AdapterState, backbone: dict, batch: jax.Array, *, config: ModelConfig,
-                  fc: FinetuneConfig):
+                  fc: FinetuneConfig, mesh: Mesh | None = None):
     """batch int [accumulation, micro_batch, T] -> (new state, metrics {"loss", "grad_norm",
     "nll_sparse"[, "nll_dense"]}). Only the adapter is differentiated and updated; gradients
-    and losses are averaged over the micro-batches (each has the same number of predictions)."""
+    and losses are averaged over the micro-batches (each has the same number of predictions);
+    mesh: the data-parallel mesh whose 'data' axis splits each micro-batch (`mean_grads`)."""
     grad_fn = jax.value_and_grad(functools.partial(finetune_loss, config=config, fc=fc), has_aux=True)
-
-    def micro(acc, tokens):
-        (loss, parts), g = grad_fn(state.adapter, backbone, tokens)
-        return jax.tree.map(jnp.add, acc, (loss, parts, g)), None
-
-    zero = (jnp.float32(0), {k: jnp.float32(0) for k in _parts(fc)}, jax.tree.map(jnp.zeros_like, state.adapter))
-    (loss, parts, grads), _ = jax.lax.scan(micro, zero, batch)
-    n = batch.shape[0]
-    loss, parts, grads = jax.tree.map(lambda x: x / n, (loss, parts, grads))
+    loss, parts, grads = mean_grads(grad_fn, state.adapter, backbone, batch,
+                                    {k: jnp.float32(0) for k in _parts(fc)}, mesh=mesh)
     updates, opt_state = make_optimizer(fc).update(grads, state.opt_state, state.adapter)
     adapter = optax.apply_updates(state.adapter, updates)
     return AdapterState(state.step + 1, adapter, opt_state), {"loss": loss, "grad_norm": optax.tree.norm(grads),
@@ -226,7 +221,7 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
 
     def step_fn(state, step):
         batch = step_batch(data, mesh, step, batch=fc.batch, micro_batch=fc.micro_batch, seq_len=fc.seq_len)
-        state, m = finetune_step(state, backbone, batch, config=c, fc=fc)
+        state, m = finetune_step(state, backbone, batch, config=c, fc=fc, mesh=mesh)
         return state, {k: float(v) for k, v in m.items()}  # float(): waits for the step
 
     def evaluate(state):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
+from jax.sharding import Mesh, PartitionSpec as P
 
 from sparda_jax.config import ConfigError, ModelConfig, check_float, check_instance, check_int
 from sparda_jax.forecast import forecast_from_hidden
@@ -22,7 +23,7 @@ from sparda_jax.losses import layer_loss
 from sparda_jax.modes import MODES, LayerView, forward
 
 __all__ = ["ForecastLossTap", "TrainConfig", "check_run_settings", "TrainState", "forecast_loss", "make_optimizer", "init_state",
-           "train_step"]
+           "mean_grads", "train_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,23 +134,45 @@ def init_state(forecast, tc: TrainConfig) -> TrainState:
     return TrainState(jnp.zeros((), jnp.int32), forecast, make_optimizer(tc).init(forecast))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "tc"), donate_argnames=("state",))
-def train_step(state: TrainState, backbone, batch, *, config: ModelConfig, tc: TrainConfig):
+def mean_grads(value_and_grad, params, backbone, batch, zero_aux, *, mesh: Mesh | None = None):
+    """(loss, aux, grads) of value_and_grad(params, backbone, tokens) -> ((loss, aux), grads),
+    averaged over the micro-batches of batch int [accumulation, micro_batch, T].
+
+    With a mesh of more than one device, each device runs its share of every micro-batch (the
+    'data' axis of the mesh splits the micro-batch axis) under `shard_map`, so every op, the
+    Mosaic kernels included, runs on local rows, and the averages are then averaged across
+    devices (`pmean`): equal to one device's for any micro-batch the mesh splits evenly, since
+    every row carries the same weight in the loss. params and backbone are replicated."""
+    def local(params, backbone, batch):
+        def micro(acc, tokens):
+            (loss, aux), g = value_and_grad(params, backbone, tokens)
+            return jax.tree.map(jnp.add, acc, (loss, aux, g)), None
+
+        zero = (jnp.float32(0), zero_aux, jax.tree.map(jnp.zeros_like, params))
+        total, _ = jax.lax.scan(micro, zero, batch)
+        return jax.tree.map(lambda x: x / batch.shape[0], total)
+
+    if mesh is None or mesh.size == 1:
+        return local(params, backbone, batch)
+    if batch.shape[1] % mesh.size:
+        raise ValueError(f"micro_batch ({batch.shape[1]}) must be a multiple of the mesh's {mesh.size} devices")
+    # check_vma off: the model's scans start their carries from constants, which the varying-axes
+    # check would have to be told about op by op; the gradient is taken inside, per device
+    sharded = jax.shard_map(lambda p, b, t: jax.lax.pmean(local(p, b, t), "data"), mesh=mesh,
+                            in_specs=(P(), P(), P(None, "data", None)), out_specs=P(), check_vma=False)
+    return sharded(params, backbone, batch)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "tc", "mesh"), donate_argnames=("state",))
+def train_step(state: TrainState, backbone, batch, *, config: ModelConfig, tc: TrainConfig, mesh: Mesh | None = None):
     """batch int [accumulation, micro_batch, T] -> (new state, metrics). Gradients are averaged
-    over the micro-batches (every micro-batch has the same number of supervised rows)."""
+    over the micro-batches (every micro-batch has the same number of supervised rows); mesh:
+    the data-parallel mesh whose 'data' axis splits each micro-batch (`mean_grads`)."""
     loss_fn = functools.partial(forecast_loss, config=config, dtype=tc.dtype, backbone_mode=tc.backbone_mode,
                                 q_chunk=tc.q_chunk)
     grad_fn = jax.value_and_grad(lambda f, b, t: loss_fn(f, b, t), has_aux=True)
-
-    def micro(acc, tokens):
-        (loss, per_layer), g = grad_fn(state.forecast, backbone, tokens)
-        return jax.tree.map(jnp.add, acc, (loss, per_layer, g)), None
-
-    zero = (jnp.float32(0), jnp.zeros((config.num_layers,), jnp.float32),
-            jax.tree.map(jnp.zeros_like, state.forecast))
-    (loss, per_layer, grads), _ = jax.lax.scan(micro, zero, batch)
-    n = batch.shape[0]
-    loss, per_layer, grads = loss / n, per_layer / n, jax.tree.map(lambda g: g / n, grads)
+    loss, per_layer, grads = mean_grads(grad_fn, state.forecast, backbone, batch,
+                                        jnp.zeros((config.num_layers,), jnp.float32), mesh=mesh)
     updates, opt_state = make_optimizer(tc).update(grads, state.opt_state, state.forecast)
     forecast = optax.apply_updates(state.forecast, updates)
     metrics = {"loss": loss, "kl_per_layer": per_layer, "grad_norm": optax.tree.norm(grads)}

@@ -286,7 +286,7 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
 
     def step_fn(state, step):
         batch = step_batch(data, mesh, step, batch=tc.batch, micro_batch=tc.micro_batch, seq_len=tc.seq_len)
-        state, m = train_step(state, backbone, batch, config=c, tc=tc)
+        state, m = train_step(state, backbone, batch, config=c, tc=tc, mesh=mesh)
         return state, {"loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),  # float(): waits for the step
                        "kl_per_layer": [round(float(x), 5) for x in np.asarray(m["kl_per_layer"])]}
 

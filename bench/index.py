@@ -101,6 +101,7 @@ FILES = {
     "profiles/layer_breakdown_2e96975.json": "a decode layer's kernel time by kind, 16-layer doorbell trace",
     "profiles/layer_breakdown_sparse_a3cd03f.json": "the same for the synchronous Sparse trace",
     "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's targets at 4K batch 1)",
+    "realmodel/prefill_d64.json": "SmolLM2 at 4K batch 1 after head dim 64 prefill went to the compiled Mosaic kernel: Dense+, Sparse, SparDA",
     "realmodel/first_token.json": "`sparda generate` in fresh processes, cold then warm, with the converted-weights "
                                   "cache: seconds to the first token (Dense+, SparDA)",
 }
@@ -261,7 +262,7 @@ def _claims_section() -> list[str]:
             continue
         d = _load(rel)
         for c in (d.get("claims") or []) if isinstance(d, dict) else []:
-            lines.append(f"| `{rel}` | {c['claim']} | {_f(c.get('value'))} | {c.get('target', '-')} | "
+            lines.append(f"| `{rel}` | {c['claim']} | {_f(c.get('value'), 3)} | {c.get('target', '-')} | "
                          f"{'-' if c.get('met') is None else 'yes' if c['met'] else 'no'} |")
     return lines
 
@@ -297,7 +298,7 @@ def render() -> str:
              "`docs/decisions.md`.", "",
              "## The paper beside ours", ""]
     for section in (_decode_section, _prefill_section, _cta_section, _select_section, _train_section,
-                    _realmodel_section):
+                    _realmodel_section, lambda: _realmodel_section("realmodel/prefill_d64.json")):
         part = section()
         lines += part + [""] if part else []
     lines += _claims_section() + [""] + _folders_section()

@@ -9,7 +9,8 @@
 #   bash scripts/forecast_study.sh start NAME [N]  # one run of the table below, N steps
 #   bash scripts/forecast_study.sh status     # each run's step, loss, recall; GPU memory
 #   bash scripts/forecast_study.sh wait NAME..# block until those runs' processes have ended
-#   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts (+ baselines)
+#   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts (+ baselines;
+#                                             # EVAL_MODEL=smollm2-135m-sparse BASE_TAG=_sn for that model's)
 #   bash scripts/forecast_study.sh collect    # run records, eval results, the main Forecast into $OUT/forecast_study
 #                                             # (WITH_CHECKPOINT=1: its newest checkpoint too, in 15 MiB parts)
 #
@@ -26,6 +27,9 @@
 #   src_mid     mix, the Forecast reading layer l-1's state after its attention (--forecast-source prev_mid)
 #   src_own     mix, the Forecast reading layer l's own input: no lead (--forecast-source own_input)
 #   len8k       mix on 8K windows, 4 a step (the same tokens a step)
+#   cont8k      the shipped Forecast trained on with 8K windows, 4 a step (seed 2: other windows)
+#   sn_forecast the Forecast of the sparse-native SmolLM2 (needs its adapter in sparda_jax/weights/),
+#               started from the shipped Forecast
 set -u
 DATA=${DATA:-/root/data}
 RUNS=${RUNS:-/root/study}
@@ -49,6 +53,8 @@ flags() {
     src_own)  echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --forecast-source own_input" ;;
     len8k)    echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     cont)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
+    cont8k)   echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 2 --seq-len 8192 --batch 4 --micro-batch 4" ;;
+    sn_forecast) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast sparda_jax/weights/forecast-smollm2-135m.safetensors" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }
@@ -79,8 +85,9 @@ evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (basel
   # BASELINES=0: no baselines; BASE_SPLITS / BASE_TAG: the baselines on some splits, in baselines${BASE_TAG}_*.json
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
-  local sel="--suite selection --text $DATA --lengths 4096 8192 --seqs 4"
-  local cpy="--suite copy --text $DATA --lengths 4096 8192 --samples 8"
+  # EVAL_MODEL: another model than SmolLM2 (smollm2-135m-sparse for sn_forecast and its baselines)
+  local sel="--suite selection --text $DATA --lengths 4096 8192 --seqs 4 ${EVAL_MODEL:+--model $EVAL_MODEL}"
+  local cpy="--suite copy --text $DATA --lengths 4096 8192 --samples 8 ${EVAL_MODEL:+--model $EVAL_MODEL}"
   local jobs=$out/jobs${BASE_TAG:-}$$.txt; : > "$jobs"
   local base=$out/baselines${BASE_TAG:-}
   if [ "${BASELINES:-1}" = 1 ] && [ ! -f "${base}_selection.json" ]; then

@@ -376,7 +376,7 @@ def _cmd_finetune(args) -> int:
     _check_output(args.out, directory=True)
     # the settings are checked before the model loads
     lora = LoraConfig(rank=args.rank, alpha=float(args.alpha if args.alpha is not None else 2 * args.rank))
-    fc = FinetuneConfig(lora=lora, dense_weight=args.dense_weight, seq_len=args.seq_len, batch=args.batch,
+    fc = FinetuneConfig(lora=lora, objective=args.objective, dense_weight=args.dense_weight, seq_len=args.seq_len, batch=args.batch,
                         micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, dtype=args.train_dtype,
                         seed=args.seed)
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
@@ -599,6 +599,9 @@ def build_parser() -> argparse.ArgumentParser:
     run_args(ft, "adapter.safetensors", steps=60, batch=8, micro_batch=8, save_every=10)
     ft.add_argument("--rank", type=_positive_int, default=32, help="LoRA rank")
     ft.add_argument("--alpha", type=float, help="LoRA alpha: the update is scaled by alpha / rank (default 2 x rank)")
+    ft.add_argument("--objective", choices=["nll", "distill"], default="nll",
+                    help="nll: next-token NLL of the training text under sparse attention; distill: KL from the base "
+                         "model's own dense next-token distribution (keeps an instruct model's behaviour)")
     ft.add_argument("--dense-weight", type=float, default=0.0,
                     help="weight w of the dense-mode NLL in the loss (1 - w) sparse + w dense: w > 0 keeps the dense "
                          "mode of the adapted weights from drifting, 1 is the dense-only control")

@@ -107,6 +107,43 @@ def test_steps_lower_the_sparse_loss_and_touch_only_the_adapter(tiny_params):
     assert moments == sorted(shapes * 2)
 
 
+def _log_softmax64(x):
+    x = np.asarray(x, np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def test_distill_is_the_kl_from_the_base_models_dense_distribution(tiny_params):
+    """objective "distill": the loss is KL(base model, dense || merged model, sparse), checked in
+    float64 NumPy from the two forwards' logits; zero for the dense mode of a fresh adapter (the
+    merged weights are the base); and steps on one batch lower it."""
+    import dataclasses
+
+    tok = _tokens(6, (2, T))
+    fc = dataclasses.replace(FC, objective="distill")
+    ad = _random_adapter(7)
+    loss, parts = finetune_loss(ad, tiny_params, tok, config=TINY, fc=fc)
+    lt = _log_softmax64(forward(tiny_params, tok, TINY, mode="dense"))[:, :-1]
+    student = forward(merge_adapter(tiny_params, ad, LORA), tok, TINY, mode="sparse")
+    want = np.mean(np.sum(np.exp(lt) * (lt - _log_softmax64(student)[:, :-1]), axis=-1))
+    assert set(parts) == {"kl_sparse", "nll_sparse"} and float(loss) == float(parts["kl_sparse"])
+    np.testing.assert_allclose(float(loss), want, rtol=1e-4)  # float32 log-softmax over 256 classes
+    nll = -np.mean(np.take_along_axis(_log_softmax64(student)[:, :-1], np.asarray(tok)[:, 1:, None], -1))
+    np.testing.assert_allclose(float(parts["nll_sparse"]), nll, rtol=1e-5)
+    _, p0 = finetune_loss(init_adapter(TINY, LORA, jax.random.key(1)), tiny_params, tok, config=TINY,
+                          fc=dataclasses.replace(fc, dense_weight=0.5))
+    assert abs(float(p0["kl_dense"])) < 1e-7 and float(p0["kl_sparse"]) > 1e-5
+    state = init_adapter_state(ad, fc)  # a perturbed adapter: training takes it back toward the base
+    batch = tok[None]
+    kls = []
+    for _ in range(10):
+        state, m = finetune_step(state, tiny_params, batch, config=TINY, fc=fc)
+        kls.append(float(m["kl_sparse"]))
+    assert kls[-1] < 0.7 * kls[0], kls
+    with pytest.raises(ValueError, match="objective"):
+        dataclasses.replace(fc, objective="kl")
+
+
 def test_adapter_file_roundtrip_and_errors(tmp_path):
     ad = _random_adapter(7)
     path = save_adapter(tmp_path / "a.safetensors", ad, TINY, LORA, metadata={"steps": 3})
@@ -185,8 +222,9 @@ def test_cli_finetune_runs_with_the_configs_defaults(tmp_path, tiny_params, monk
 
     d, run = FinetuneConfig(), inspect.signature(finetune).parameters
     assert (args.seq_len, args.batch, args.micro_batch, args.steps, args.lr, args.train_dtype, args.rank,
-            args.dense_weight, 2 * args.rank) == (d.seq_len, d.batch, d.micro_batch, d.steps, d.lr, d.dtype,
-                                                  d.lora.rank, d.dense_weight, d.lora.alpha)
+            args.dense_weight, 2 * args.rank, args.objective) == (d.seq_len, d.batch, d.micro_batch, d.steps, d.lr,
+                                                                  d.dtype, d.lora.rank, d.dense_weight, d.lora.alpha,
+                                                                  d.objective)
     assert all(getattr(args, k) == run[k].default for k in ("save_every", "keep", "eval_every", "eval_seqs"))
     monkeypatch.setattr(cli, "_load", lambda args: Pretrained(TINY, tiny_params, ByteTokenizer()))
     # settings equal to FC's: the step compiled for it runs here too

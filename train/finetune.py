@@ -9,9 +9,13 @@ attention sees, while the MLPs read the same kind of input as before and stay un
 The adapter is its own pytree ({target: {"a", "b"}}, float32 masters), merged into the frozen
 backbone's weights before each forward (`io.adapter_file.merge_adapter`: W + alpha/r * A @ B),
 so the model code is the same for training and inference. B starts at zero: step 0 is the base
-model. The loss is the next-token NLL of the merged model in mode "sparse"; its gradient reaches
-the adapter through `sparse_attention`'s custom VJP, while the block choice (a top-k) carries
-none. `FinetuneConfig.dense_weight` mixes in the dense-mode NLL of the same merged weights.
+model. The loss (`FinetuneConfig.objective`) is the next-token NLL of the merged model in mode
+"sparse" on the training text, or ("distill") its KL divergence from the base model's own dense
+next-token distribution, which keeps what the base model does with a prompt (an instruct model's
+answers) while it learns to do it under sparse attention; raw documentation text alone teaches a
+chat model to continue documentation. The gradient reaches the adapter through
+`sparse_attention`'s custom VJP, while the block choice (a top-k) carries none.
+`FinetuneConfig.dense_weight` mixes in the same term for the dense mode of the merged weights.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from sparda_jax.api import Pretrained
-from sparda_jax.config import Implementations, ModelConfig, check_float, check_instance
+from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_float, check_instance
 from sparda_jax.io.adapter_file import LoraConfig, adapter_shapes, merge_adapter, save_adapter
 from sparda_jax.modes import forward
 
@@ -39,18 +43,23 @@ from .checkpoint import Checkpointer
 from .objective import check_run_settings, make_optimizer, mean_grads
 from .run import held_out_tokens, make_mesh, place_run, plot_metrics, run_record, run_steps, step_batch, training_data
 
-__all__ = ["FinetuneConfig", "AdapterState", "init_adapter", "token_nll", "finetune_loss", "init_adapter_state",
+__all__ = ["FinetuneConfig", "OBJECTIVES", "AdapterState", "init_adapter", "token_nll", "token_kl", "finetune_loss", "init_adapter_state",
            "finetune_step", "heldout_nll", "finetune"]
+
+
+OBJECTIVES = ("nll", "distill")
 
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
     """The adapter (`lora`), the loss, the batch and the optimizer of a fine-tuning run.
 
-    dense_weight w in [0, 1]: the loss is (1 - w) * NLL_sparse + w * NLL_dense. The merged
-    weights serve the dense mode too (short prompts, the dense baseline the sparse mode is
-    measured against): w > 0 keeps that mode from drifting, and w = 1 is the control run that
-    adapts to the data alone. w = 0 (default) skips the dense pass.
+    objective: "nll" (default) or "distill" (the KL from the base model's dense distribution;
+    module docstring). dense_weight w in [0, 1]: the loss is (1 - w) * L_sparse + w * L_dense,
+    L the objective's term for that mode of the merged weights. The merged weights serve the
+    dense mode too (short prompts, the dense baseline the sparse mode is measured against): w > 0
+    keeps that mode from drifting, and w = 1 is the control run that adapts to the data alone.
+    w = 0 (default) skips the dense pass.
     Defaults (docs/finetune.md: a run that fits ~8 minutes of one H200 for SmolLM2-135M): 60
     steps of 8 sequences of 4096 tokens, AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight
     decay; a short run), grad-norm clip 1, bf16 compute. `steps` is left out of equality and
@@ -59,6 +68,7 @@ class FinetuneConfig:
     """
 
     lora: LoraConfig = LoraConfig()
+    objective: str = "nll"
     dense_weight: float = 0.0
     seq_len: int = 4096
     batch: int = 8
@@ -77,6 +87,8 @@ class FinetuneConfig:
         c = "FinetuneConfig"
         check_instance(c, "lora", self.lora, LoraConfig)
         check_float(c, "dense_weight", self.dense_weight, lo=0, hi=1)
+        if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
+            raise ConfigError(f"{c}.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         check_run_settings(c, self)
 
     @property
@@ -106,23 +118,40 @@ def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
 
 
 def _parts(fc: FinetuneConfig) -> tuple[str, ...]:
-    return ("nll_sparse", "nll_dense") if fc.dense_weight > 0 else ("nll_sparse",)
+    modes = ("sparse", "dense") if fc.dense_weight > 0 else ("sparse",)
+    if fc.objective == "nll":
+        return tuple(f"nll_{m}" for m in modes)
+    return tuple(f"kl_{m}" for m in modes) + ("nll_sparse",)
+
+
+def token_kl(teacher_logits, logits):
+    """[B, T, V] each -> float32 [B, T]: KL(softmax(teacher) || softmax(logits)) per position."""
+    t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+    return jnp.sum(jnp.exp(t) * (t - jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)), axis=-1)
 
 
 def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: ModelConfig, fc: FinetuneConfig,
                   implementations: Implementations = Implementations()):
-    """(1 - w) * NLL_sparse + w * NLL_dense (w = fc.dense_weight; the dense pass only when
-    w > 0), each the mean over all B * (T - 1) next-token predictions of the backbone with the
-    adapter merged in, computed in fc.dtype. tokens int [B, T]; implementations: the ops'
-    backends (`modes.forward`). Returns (loss, {"nll_sparse"[, "nll_dense"]: float32 scalar})."""
+    """(1 - w) * L_sparse + w * L_dense (w = fc.dense_weight; the dense pass only when w > 0) of
+    the backbone with the adapter merged in, computed in fc.dtype, each term a mean over all
+    B * (T - 1) next-token predictions: the NLL of tokens[:, 1:] ("nll"), or the KL from the
+    base backbone's dense distribution ("distill"). tokens int [B, T]; implementations: the ops'
+    backends (`modes.forward`). Returns (loss, {part: float32 scalar} for `_parts(fc)`;
+    "distill" also reports the sparse NLL)."""
     params = merge_adapter(backbone, adapter, fc.lora)
     dtype = jnp.dtype(fc.dtype)
-    nll = lambda mode: jnp.mean(token_nll(forward(params, tokens, config, mode=mode, dtype=dtype,
-                                                  implementations=implementations), tokens))
-    parts = {name: nll(name.removeprefix("nll_")) for name in _parts(fc)}
+    run = lambda p, mode: forward(p, tokens, config, mode=mode, dtype=dtype, implementations=implementations)
+    modes = ("sparse", "dense") if fc.dense_weight > 0 else ("sparse",)
+    logits = {m: run(params, m) for m in modes}
+    nll_modes = modes if fc.objective == "nll" else ("sparse",)
+    parts = {f"nll_{m}": jnp.mean(token_nll(logits[m], tokens)) for m in nll_modes}
+    if fc.objective == "distill":
+        teacher = jax.lax.stop_gradient(run(backbone, "dense")[:, :-1])
+        parts |= {f"kl_{m}": jnp.mean(token_kl(teacher, logits[m][:, :-1])) for m in modes}
+    term = "nll" if fc.objective == "nll" else "kl"
     w = fc.dense_weight
-    loss = parts["nll_sparse"] if w == 0 else (1 - w) * parts["nll_sparse"] + w * parts["nll_dense"]
-    return loss, parts
+    loss = parts[f"{term}_sparse"] if w == 0 else (1 - w) * parts[f"{term}_sparse"] + w * parts[f"{term}_dense"]
+    return loss, {k: parts[k] for k in _parts(fc)}
 
 
 class AdapterState(struct.PyTreeNode):

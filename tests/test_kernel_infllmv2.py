@@ -131,15 +131,20 @@ def _assert_same_up_to_near_ties(got, ref, scores, rtol):
 
 
 @gpu
-def test_compiled_matches_jnp_selector():
-    sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
-    q, kc, pos = _case(2, t=16384, kh=2, g=16, d=128, b=1)
+@pytest.mark.parametrize("t,kh,g,d,local,topk", [(16384, 2, 16, 128, 32, 96),   # minicpm4.1-8b's budget
+                                                 (4096, 3, 3, 64, 8, 24)])      # SmolLM2-135M's layer
+def test_compiled_matches_jnp_selector(t, kh, g, d, local, topk):
+    """The compiled selector against the jnp one; SmolLM2's row is the head dim the compiled
+    kernels must pass before the selectors route head dim 64 to them."""
+    sp = SparseConfig(local_blocks=local, topk=topk, dense_len=0)
+    q, kc, pos = _case(2, t=t, kh=kh, g=g, d=d, b=1)
     nb = n_blocks_for(kc.shape[1], sp)
     ref = select_blocks_infllmv2_reference(q, kc, pos, sp, n_blocks=nb)
     got = jax.jit(functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=nb))(q, kc, pos)
+    chunks = lambda x: jnp.moveaxis(x.reshape(1, t // 128, 128, *x.shape[2:]), 1, 0)  # 128 queries a chunk
     scores = jax.lax.map(lambda a: pool_to_blocks(infllmv2_chunk_scores(a[0], kc, a[1], sp), nb, sp),
-                         (q.reshape(1, 128, 128, 32, 128).transpose(1, 0, 2, 3, 4), pos.reshape(1, 128, 128).transpose(1, 0, 2)))
-    scores = jnp.moveaxis(scores, 0, 2).reshape(1, 2, 16384, nb)
+                         (chunks(q), chunks(pos)))
+    scores = jnp.moveaxis(scores, 0, 2).reshape(1, kh, t, nb)
     blk, qblk = jnp.arange(nb).reshape(1, 1, 1, nb), (pos // sp.block_size)[:, None, :, None]
     cand = blk <= qblk
     forced = cand & ((blk < sp.init_blocks) | (blk >= qblk - sp.local_blocks))

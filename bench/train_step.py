@@ -83,7 +83,6 @@ def bench_train_step(preset: str = "minicpm4.1-8b", *, seq_len: int = 32768, mic
         params = params0 if m == 1 else jax.device_put(params0, rep)
         state = jax.device_put(init_state(forecast, tc), rep)
         rows.append(_time_steps(config, tc, params, state, shard_batch(mesh, tokens, tokens.shape), mesh, repeats))
-        del params, state
     top = rows[-1]
     r = {
         "name": "train",

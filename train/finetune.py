@@ -60,9 +60,9 @@ class FinetuneConfig:
     dense mode too (short prompts, the dense baseline the sparse mode is measured against): w > 0
     keeps that mode from drifting, and w = 1 is the control run that adapts to the data alone.
     w = 0 (default) skips the dense pass.
-    Defaults (docs/finetune.md: a run that fits ~8 minutes of one H200 for SmolLM2-135M): 60
-    steps of 8 sequences of 4096 tokens, AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight
-    decay; a short run), grad-norm clip 1, bf16 compute. `steps` is left out of equality and
+    Defaults: 60 steps of 8 sequences of 4096 tokens (a short first run; docs/finetune.md has
+    the longer one), AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight decay), grad-norm
+    clip 1, bf16 compute. `steps` is left out of equality and
     hash: a step computes the same whatever the run's length, so a lengthened run reuses the
     compiled step.
     """

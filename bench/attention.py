@@ -160,6 +160,22 @@ def _floor(flops: float, nbytes: float, ceil: dict) -> float:
     return max(flops / (ceil["matmul_tflops"] * 1e12), nbytes / (ceil["hbm_gb_per_s"] * 1e9))
 
 
+def _timed_record(rec: dict, *, full: bool, t: int, n_slice: int, scale: float, flops: float, io_bytes: float,
+                  ceil: dict, **extra) -> dict:
+    """A variant's measured record completed with what was timed (all t queries, or a slice of
+    n_slice scaled by `scale` to the layer) and, where it has seconds, the layer's seconds, the
+    effective TFLOP/s and its roofline floor (flops, and io_bytes over the timed share)."""
+    rec.update(timed_queries=t if full else n_slice, scaled=not full, scale=1.0 if full else scale,
+               flops_counted=flops, **extra)
+    if "seconds" in rec:
+        s = rec["seconds"]
+        rec["seconds_layer"] = s * (1.0 if full else scale)
+        rec["tflops_effective"] = flops / s / 1e12
+        rec["floor_seconds"] = _floor(flops, io_bytes * (1.0 if full else n_slice / t), ceil)
+        rec["achieved_over_floor"] = rec["floor_seconds"] / s
+    return rec
+
+
 def _best(variants: dict, names, key: str, larger: bool = True):
     ok = [(n, v) for n, v in variants.items() if n in names and v.get("status") == "ok" and v.get(key)]
     if not ok:
@@ -253,21 +269,13 @@ def prefill_case(t: int, b: int, shape: dict, ceil: dict, *, variants=PREFILL_VA
         rows = cp_j if full else cpsl_j
         rec = measure(call, lambda o, r=r, rows=rows: rel_check(o[:1, rows], r, REL_ERR_BOUND),
                       repeats=repeats, max_s=max_s)
-        rec.update(timed_queries=t if full else int(len(sl)), scaled=not full,
-                   scale=1.0 if full else slice_scale, flops_counted=flops)
-        if "seconds" in rec:
-            s = rec["seconds"]
-            rec["seconds_layer"] = s * (1.0 if full else slice_scale)
-            rec["tflops_effective"] = flops / s / 1e12
-            if name in SPARSE:
-                share = 1.0 if full else len(sl) / t
-                rec["floor_seconds"] = _floor(flops, io_bytes * share, ceil)
-                rec["union_tile_tokens"] = kernel_tile
-                rec["floor_union_seconds"] = _floor(flops_union[kernel_tile] * share, io_bytes * share, ceil)
-                rec["achieved_over_union_floor"] = rec["floor_union_seconds"] / s
-            else:
-                rec["floor_seconds"] = _floor(flops, io_bytes * (1.0 if full else len(sl) / t), ceil)
-            rec["achieved_over_floor"] = rec["floor_seconds"] / s
+        _timed_record(rec, full=full, t=t, n_slice=int(len(sl)), scale=slice_scale, flops=flops, io_bytes=io_bytes,
+                      ceil=ceil)
+        if "seconds" in rec and name in SPARSE:  # the floor of the kernel's tiles' block union too
+            share = 1.0 if full else len(sl) / t
+            rec["union_tile_tokens"] = kernel_tile
+            rec["floor_union_seconds"] = _floor(flops_union[kernel_tile] * share, io_bytes * share, ceil)
+            rec["achieved_over_union_floor"] = rec["floor_union_seconds"] / rec["seconds"]
         out_rec[name] = rec
         snapshot()
 
@@ -491,14 +499,8 @@ def train_case(t: int, b: int, shape: dict, ceil: dict, *, variants=TRAIN_VARIAN
         rows = cp_j if full else cpsl_j
         rec = measure(lambda compiled=compiled, args=args: compiled(*args),
                       lambda o, r=r, rows=rows: _train_check(o, rows, r, seq), repeats=repeats, max_s=max_s)
-        rec.update(timed_queries=t if full else int(len(sl)), scaled=not full, scale=1.0 if full else slice_scale,
-                   flops_counted=flops, compile_seconds=compile_s, memory_gib=need)
-        if "seconds" in rec:
-            s = rec["seconds"]
-            rec["seconds_layer"] = s * (1.0 if full else slice_scale)
-            rec["tflops_effective"] = flops / s / 1e12
-            rec["floor_seconds"] = _floor(flops, io_bytes * (1.0 if full else len(sl) / t), ceil)
-            rec["achieved_over_floor"] = rec["floor_seconds"] / s
+        _timed_record(rec, full=full, t=t, n_slice=int(len(sl)), scale=slice_scale, flops=flops, io_bytes=io_bytes,
+                      ceil=ceil, compile_seconds=compile_s, memory_gib=need)
         out_rec[name] = rec
         del args, compiled
         snapshot()

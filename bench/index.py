@@ -102,6 +102,8 @@ FILES = {
     "profiles/layer_breakdown_sparse_a3cd03f.json": "the same for the synchronous Sparse trace",
     "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's targets at 4K batch 1)",
     "realmodel/prefill_d64.json": "SmolLM2 at 4K batch 1 after head dim 64 prefill went to the compiled Mosaic kernel: Dense+, Sparse, SparDA",
+    "realmodel/select_d64.json": "the same three after head dim 64 prefill selection went to the compiled Mosaic "
+                                 "selectors too (uncommitted tree at cbdd6d3: the api.py gate opened)",
     "realmodel/first_token.json": "`sparda generate` in fresh processes, cold then warm, with the converted-weights "
                                   "cache: seconds to the first token (Dense+, SparDA)",
 }
@@ -298,7 +300,8 @@ def render() -> str:
              "`docs/decisions.md`.", "",
              "## The paper beside ours", ""]
     for section in (_decode_section, _prefill_section, _cta_section, _select_section, _train_section,
-                    _realmodel_section, lambda: _realmodel_section("realmodel/prefill_d64.json")):
+                    _realmodel_section, lambda: _realmodel_section("realmodel/prefill_d64.json"),
+                    lambda: _realmodel_section("realmodel/select_d64.json")):
         part = section()
         lines += part + [""] if part else []
     lines += _claims_section() + [""] + _folders_section()

@@ -134,8 +134,8 @@ def _assert_same_up_to_near_ties(got, ref, scores, rtol):
 @pytest.mark.parametrize("t,kh,g,d,local,topk", [(16384, 2, 16, 128, 32, 96),   # minicpm4.1-8b's budget
                                                  (4096, 3, 3, 64, 8, 24)])      # SmolLM2-135M's layer
 def test_compiled_matches_jnp_selector(t, kh, g, d, local, topk):
-    """The compiled selector against the jnp one; SmolLM2's row is the head dim the compiled
-    kernels must pass before the selectors route head dim 64 to them."""
+    """The compiled selector against the jnp one; SmolLM2's row guards the selectors' routing of
+    head dim 64 to the compiled kernels."""
     sp = SparseConfig(local_blocks=local, topk=topk, dense_len=0)
     q, kc, pos = _case(2, t=t, kh=kh, g=g, d=d, b=1)
     nb = n_blocks_for(kc.shape[1], sp)
@@ -150,3 +150,25 @@ def test_compiled_matches_jnp_selector(t, kh, g, d, local, topk):
     forced = cand & ((blk < sp.init_blocks) | (blk >= qblk - sp.local_blocks))
     scores = jnp.where(forced, jnp.inf, jnp.where(cand, scores, -jnp.inf))   # as finalize_topk ranks them
     _assert_same_up_to_near_ties(got, ref, scores, rtol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["infllmv2", "forecast"])
+def test_selection_passes_gradients_around_the_kernels(op):
+    # the kernels have no JVP rule; the block choice is a top-k, which carries no gradient, so the
+    # selection op must stop the gradient at its inputs (a loss that selects under jax.grad, as
+    # `sparda finetune` does, failed on the GPU once the kernels served head dim 64)
+    from sparda_jax.ops.block_select import select_blocks_forecast, select_blocks_infllmv2
+    sp = SparseConfig(local_blocks=1, topk=4, dense_len=0)
+    q, kc, pos = _case(5, t=384, kh=2, g=1, d=64, b=1)
+    nb = n_blocks_for(kc.shape[1], sp)
+    select = select_blocks_infllmv2 if op == "infllmv2" else select_blocks_forecast
+
+    def loss(q, kc):  # gradient through the inputs' other use; the ids only gate it
+        ids = select(q, kc, pos, sp, n_blocks=nb, implementation="mosaic_gpu_interpret")
+        return jnp.sum(q.astype(jnp.float32) ** 2) * jnp.mean(ids >= 0) + jnp.sum(kc.astype(jnp.float32))
+
+    gq, gkc = jax.grad(loss, argnums=(0, 1))(q, kc)
+    ids = select(q, kc, pos, sp, n_blocks=nb, implementation="xla")
+    np.testing.assert_allclose(np.asarray(gq, np.float32), np.asarray(2 * q.astype(jnp.float32) * jnp.mean(ids >= 0)),
+                               rtol=1e-2)  # bf16 gradient of a bf16 input: 8 mantissa bits
+    np.testing.assert_array_equal(np.asarray(gkc, np.float32), 1.0)

@@ -70,9 +70,12 @@ def test_kernels_lower_for_hopper():
 
 
 @gpu
-def test_compiled_matches_jnp_selector():
-    sp = SparseConfig(local_blocks=32, topk=96, dense_len=0)
-    f, kc, pos = _case(2, t=16384, d=128, b=2)
+@pytest.mark.parametrize("t,kh,d,local,topk,b", [(16384, 2, 128, 32, 96, 2),   # minicpm4.1-8b's budget
+                                                 (4096, 3, 64, 8, 24, 1)])     # SmolLM2-135M's layer
+def test_compiled_matches_jnp_selector(t, kh, d, local, topk, b):
+    """SmolLM2's row guards the selectors' routing of head dim 64 to the compiled kernels."""
+    sp = SparseConfig(local_blocks=local, topk=topk, dense_len=0)
+    f, kc, pos = _case(2, t=t, kh=kh, d=d, b=b)
     nb = n_blocks_for(kc.shape[1], sp)
     ref = select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb)
     got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb))(f, kc, pos)

@@ -4,7 +4,7 @@ Backends:
   "xla"                  the jnp reference (`reference.py`; any platform, coarse LSE allowed);
   "mosaic_gpu"           the Pallas Mosaic GPU selectors on a Hopper GPU (`forecast_mgpu.py`,
                          `infllmv2_mgpu.py`: scoring fused with the pooling and the forced /
-                         causal rules, then a top-k without sort): bf16/f16, head dim 128,
+                         causal rules, then a top-k without sort): bf16/f16, head dim 64 or 128,
                          <= 2048 blocks, exact LSE;
   "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
                          any head dim that is a multiple of 64.
@@ -44,7 +44,7 @@ def _mosaic_support(implementation, x, nb: int) -> None:
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise NotImplementedError(f"the Mosaic GPU selectors take bf16/f16, got {x.dtype}")
     d = x.shape[-1]
-    if not (d == 128 if implementation == "mosaic_gpu" else d % 64 == 0):
+    if not (d in (64, 128) if implementation == "mosaic_gpu" else d % 64 == 0):
         raise NotImplementedError(f"the Mosaic GPU selectors do not take head dim {d}")
     if nb > MOSAIC_MAX_BLOCKS:
         raise NotImplementedError(f"the Mosaic GPU top-k takes rows of <= {MOSAIC_MAX_BLOCKS} blocks, got {nb}")
@@ -63,6 +63,8 @@ def _infllmv2_mosaic(implementation):
         _mosaic_support(implementation, q, n_blocks)
         from .infllmv2_mgpu import infllmv2_select
 
+        q, kc = jax.lax.stop_gradient((q, kc))  # the block choice carries no gradient; the kernel has no JVP
+
         return infllmv2_select(q, kc.astype(q.dtype), q_positions, sparse, n_blocks=n_blocks,
                                interpret=interpret_params(implementation))
     return run
@@ -77,6 +79,8 @@ def _forecast_mosaic(implementation):
     def run(f, kc, q_positions, sparse, *, n_blocks, q_chunk):
         _mosaic_support(implementation, f, n_blocks)
         from .forecast_mgpu import forecast_select
+
+        f, kc = jax.lax.stop_gradient((f, kc))  # the block choice carries no gradient; the kernel has no JVP
 
         return forecast_select(f, kc.astype(f.dtype), q_positions, sparse, n_blocks=n_blocks,
                                interpret=interpret_params(implementation))

@@ -11,6 +11,8 @@ Three levels, as every Mosaic GPU kernel has them:
 
 from __future__ import annotations
 
+import re
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,12 @@ gpu = pytest.mark.gpu  # compiled on a CUDA GPU; skipped without one
 def interpret(*, detect_races: bool = False):
     """Interpreter parameters; detect_races runs the interpreter's race detector."""
     return plgpu.InterpretGPUParams(detect_races=detect_races)
+
+
+def mosaic_kernel_modules(lowered) -> int:
+    """How many distinct Mosaic GPU kernel modules a lowered program carries (each is compiled by
+    the GPU runtime on its first call)."""
+    return len(set(re.findall(r'kernel_hash = "([^"]*)"', lowered.as_text())))
 
 
 def lower_for_hopper(fn, *args, **kwargs):

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from kernel_base import (BF16_MODEL, BF16_PAIR_DECODE, INTERPRET, assert_attention_close, gpu, lower_for_hopper,
-                         rel_error)
+                         mosaic_kernel_modules, rel_error)
 
 from sparda_jax.config import ConfigError
 from sparda_jax.ops.sparse_attention.decode import (DecodeConfig, sparse_decode_attention,
@@ -89,6 +89,21 @@ def test_gpu_variant_lowers_for_hopper(stages):
     q, kp, vp, slots, ids, pos, _ = _paged(0, 16, 128)
     lower_for_hopper(functools.partial(paged_sparse_decode_attention, config=DecodeConfig(stages=stages)),
                      q, kp, vp, slots, ids, pos)
+
+
+def test_one_kernel_module_for_every_layer():
+    # the engine calls the kernel once per layer in a Python loop; every call site must carry the
+    # same module, or the GPU runtime compiles the kernel again for each layer on the first step
+    from sparda_jax.ops.sparse_attention.decode import paged_sparse_decode_attention
+
+    q, kp, vp, slots, ids, pos, _ = _paged(0, 3, 64)
+
+    def layers(q):
+        for _ in range(3):
+            q = paged_sparse_decode_attention(q, kp, vp, slots, ids, pos)
+        return q
+
+    assert mosaic_kernel_modules(lower_for_hopper(layers, q)) == 1
 
 
 def test_rejects_unsupported_inputs():

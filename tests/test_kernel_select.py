@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_base import INTERPRET, assert_ids_equal, gpu, lower_for_hopper
+from kernel_base import INTERPRET, assert_ids_equal, gpu, lower_for_hopper, mosaic_kernel_modules
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
@@ -67,6 +67,17 @@ def test_kernels_lower_for_hopper():
     f, kc, pos = _case(1, t=1024, d=128)
     nb = n_blocks_for(kc.shape[1], sp)
     lower_for_hopper(functools.partial(forecast_select, sparse=sp, n_blocks=nb), f, kc, pos)
+
+
+def test_one_kernel_module_per_kernel_for_every_layer():
+    # called once per layer in one program: each of the selector's kernels (scores, top-k) is
+    # one module at every call site (see test_kernel_decode's twin)
+    sp = SparseConfig(local_blocks=2, topk=12, dense_len=0)
+    f, kc, pos = _case(1, t=1024, d=128)
+    nb = n_blocks_for(kc.shape[1], sp)
+    one = lower_for_hopper(lambda f: forecast_select(f, kc, pos, sp, n_blocks=nb), f)
+    three = lower_for_hopper(lambda f: [forecast_select(f + i, kc, pos, sp, n_blocks=nb) for i in range(3)], f)
+    assert mosaic_kernel_modules(three) == mosaic_kernel_modules(one) == 2
 
 
 @gpu

@@ -14,7 +14,7 @@ import jax
 
 from sparda_jax.config import IMPLEMENTATION_NAMES
 
-__all__ = ["Registry", "hopper_gpu", "interpret_params"]
+__all__ = ["Registry", "hopper_gpu", "interpret_params", "lowered_once"]
 
 
 def hopper_gpu() -> bool:
@@ -23,6 +23,15 @@ def hopper_gpu() -> bool:
     if jax.default_backend() != "gpu":
         return False
     return str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
+def lowered_once(*static_argnames: str):
+    """A Mosaic kernel's entry point as `jax.jit` with these static arguments: called at many
+    sites of one program (layers unrolled in Python), it is traced and lowered once, and every
+    site carries the same kernel module. Pallas names each lowering's kernel apart, so without
+    it each site was a distinct kernel, lowered in Python and compiled by the GPU runtime on its
+    first call, once per layer (docs/decisions.md, "One kernel module per op and shape")."""
+    return lambda fn: jax.jit(fn, static_argnames=static_argnames)
 
 
 def interpret_params(implementation: str):

@@ -27,6 +27,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 
 from sparda_jax.config import SparseConfig
+from sparda_jax.ops._dispatch import lowered_once
 
 __all__ = ["phase_kc", "block_scores", "topk_select_rows", "rows_per_cta", "select_topk",
            "topk_reference", "forecast_select", "MAX_BLOCKS"]
@@ -211,6 +212,7 @@ def topk_select_rows(scores, k, *, interpret=None):
     return out.transpose(0, 2, 1).reshape(R, k)   # [R/RT, k, RT]: slot-major in SMEM, one bulk store
 
 
+@lowered_once("k", "interpret")
 def select_topk(scores, k, *, interpret=None):
     """scores [R, NB] f32 (-inf: not a candidate, +inf: forced) -> [R, k] int32 ids ascending,
     ties to the lower id, -1 padded (`topk_select_rows` on rows padded to its tile)."""
@@ -234,6 +236,7 @@ def topk_reference(scores, k):
     return jnp.where(idx == big, -1, idx)
 
 
+@lowered_once("sparse", "n_blocks", "interpret")
 def forecast_select(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None):
     """Same contract as `reference.select_blocks_forecast_reference`: f [B, Tq, K, D]
     (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, topk]."""

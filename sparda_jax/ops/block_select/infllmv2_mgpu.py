@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sparda_jax.config import SparseConfig
+from sparda_jax.ops._dispatch import lowered_once
 from sparda_jax.compress import chunk_visible
 
 from .forecast_mgpu import MAX_BLOCKS, MMA_T, phase_kc, select_topk
@@ -234,6 +235,7 @@ def block_scores_reference(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64,
     return s.reshape(B, K, Tt * 64, NBp)
 
 
+@lowered_once("sparse", "n_blocks", "interpret")
 def infllmv2_select(q, kc, q_positions, sparse: SparseConfig, *, n_blocks: int, interpret=None):
     """Same contract as `reference.select_blocks_infllmv2_reference` with exact LSE: q [B, Tq, H, D]
     (bf16/f16), kc [B, N_c, K, D], q_positions [B, Tq] -> int32 [B, K, Tq, sparse.topk]."""

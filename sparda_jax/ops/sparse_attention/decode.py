@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sparda_jax.config import check_int
+from sparda_jax.ops._dispatch import lowered_once
 
 __all__ = ["DecodeConfig", "sparse_decode_attention", "sparse_decode_attention_reference", "paged_sparse_decode_attention",
            "sparse_decode_split_pass", "combine_splits",
@@ -243,6 +244,7 @@ def _gpu_sms() -> int:
     return int(getattr(gpus[0], "core_count", 0) or H200_SMS)
 
 
+@lowered_once("config", "interpret")
 def sparse_decode_attention(q, k, v, ids, pos, *, config: DecodeConfig | None = None, interpret=None):
     """q [B,H,D]; k, v [B,S,K,D]; ids [B,K,n] int32 (ascending, unique, -1 padded at the end);
     pos [B] int32 (each query's position) -> [B,H,D]. config: the kernel's tuning
@@ -252,6 +254,7 @@ def sparse_decode_attention(q, k, v, ids, pos, *, config: DecodeConfig | None = 
     return _decode(q, k, v, ids, pos, None, k.shape[2], config.n_split, config.stages, interpret)
 
 
+@lowered_once("config", "interpret")
 def paged_sparse_decode_attention(q, k_pool, v_pool, slots, ids, pos, *, config: DecodeConfig | None = None,
                                   interpret=None):
     """The same over the engine's block cache: k_pool, v_pool [B,K,n_slots,64,D]; block ids[b,k,j]
@@ -291,6 +294,7 @@ def _split_pass(q, k, v, ids, pos, slots, K, n_split, stages, interpret):
     return o[:, :, :, :G], lse[:, :, :, :G]
 
 
+@lowered_once("config", "interpret")
 def sparse_decode_split_pass(q, k, v, ids, pos, *, config: DecodeConfig | None = None, interpret=None):
     """`sparse_decode_attention` without its combine (the benchmark times the two apart):
     (o [B, K, n_split, G, D] f32, lse [B, K, n_split, G] f32, log2); `combine_splits(o, lse)`

@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sparda_jax.ops._dispatch import lowered_once
+
 __all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "build_prefill_meta",
            "PrefillMeta", "union_stats", "tile_tokens_for", "padded_group", "INTERPRET"]
 
@@ -336,6 +338,7 @@ def _check(q, k, v, block_ids, q_positions, bias):
         raise ValueError(f"bias must be [B, S, K] = {(b, s, kh)}; got {bias.shape}")
 
 
+@lowered_once("interpret", "p_via_smem", "acc_in_place", "return_lse")
 def sparse_prefill_attention(q, k, v, block_ids, q_positions, *, bias=None, interpret=None,
                              meta: PrefillMeta | None = None, p_via_smem: bool | None = None,
                              acc_in_place: bool | None = None, return_lse: bool = False):

@@ -27,6 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from sparda_jax.ops._dispatch import lowered_once
+
 from .prefill import (BS, INTERPRET, LOG2E, MMA_T, ROWS, PrefillMeta, _check, _pad_tokens, _pv, _row_vectors,
                       build_prefill_meta, fetch_block, padded_group, tile_tokens_for)
 
@@ -272,6 +274,7 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, pos_r, k, v, bias_r, tmeta, *, gp, a_
 
 # ------------------------------------------------------------------------------------ wrapper
 
+@lowered_once("interpret", "a_via_smem", "acc_in_place")
 def sparse_prefill_attention_backward(q, k, v, block_ids, q_positions, out, lse, dout, *, bias=None,
                                       interpret=None, a_via_smem: bool | None = None,
                                       acc_in_place: bool | None = None):

@@ -82,7 +82,8 @@ status() {
 }
 
 evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (baselines once), EVAL_JOBS at a time
-  # BASELINES=0: no baselines; BASE_SPLITS / BASE_TAG: the baselines on some splits, in baselines${BASE_TAG}_*.json
+  # BASELINES=0: no baselines; BASE_SPLITS / BASE_TAG: the baselines on some splits, in baselines${BASE_TAG}_*.json;
+  # BASE_MODES: which (default: dense sparse infinigen, and sparda with an untrained Forecast)
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
   # EVAL_MODEL: another model than SmolLM2 (smollm2-135m-sparse for sn_forecast and its baselines)
@@ -92,8 +93,9 @@ evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (basel
   local base=$out/baselines${BASE_TAG:-}
   if [ "${BASELINES:-1}" = 1 ] && [ ! -f "${base}_selection.json" ]; then
     local bs=${BASE_SPLITS:-$splits}
-    echo "$sel --splits $bs --modes dense sparse infinigen sparda --forecast random --out ${base}_selection.json" >> "$jobs"
-    echo "$cpy --splits $bs --modes dense sparse infinigen sparda --forecast random --out ${base}_copy.json" >> "$jobs"
+    local bm=${BASE_MODES:-dense sparse infinigen sparda}
+    echo "$sel --splits $bs --modes $bm --forecast random --out ${base}_selection.json" >> "$jobs"
+    echo "$cpy --splits $bs --modes $bm --forecast random --out ${base}_copy.json" >> "$jobs"
   fi
   sel="$sel --splits $splits"; cpy="$cpy --splits $splits"
   for name in "$@"; do

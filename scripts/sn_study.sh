@@ -1,0 +1,70 @@
+# The sparse-native SmolLM2 on one GPU: its adapter (`sparda finetune --objective distill`), its
+# Forecast, and their evaluation on held-out text, as one chain in the background (setsid) that
+# outlives the device call; calls only poll. Its progress: /root/sn/log.
+#
+#   source scripts/device_setup.sh     # the GGUF joined, the corpus in /root/data
+#   bash scripts/sn_study.sh start     # the chain below
+#   bash scripts/sn_study.sh status    # the chain's log, the runs' steps
+#   bash scripts/sn_study.sh collect   # records, JSONs, adapter and Forecast under $OUT/sn_study
+#
+# Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ) -> in
+# parallel: the model's dense / sparse baselines (copy + selection suites, every split, 4K and 8K)
+# and its Forecast (`forecast_study.sh start sn_forecast SN_STEPS`) -> the Forecast's evaluation
+# and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA.
+set -u
+DATA=${DATA:-/root/data}
+SN=/root/sn
+RUNS=${RUNS:-/root/study}
+W=sparda_jax/weights
+mkdir -p "$SN" "$RUNS/eval"
+log() { echo "$(date +%T) $*" >> "$SN/log"; }
+
+chain() {
+  if [ -n "${ADAPTER:-}" ]; then
+    cp "$ADAPTER" "$W/adapter-smollm2-135m-sparse.safetensors" || { log "no adapter $ADAPTER"; return 1; }
+  else
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 sparda finetune --model smollm2-135m --data "$DATA" --out "$SN/ft" \
+      --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch 8 --micro-batch 2 --lr 5e-4 --rank 32 \
+      --save-every 25 --eval-every 50 --eval-seqs 2 --repeat-share 0.25 --scatter-share 0.25 \
+      --objective distill > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
+    cp "$SN/ft/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
+  fi
+  log "adapter in place"
+  EVAL_MODEL=smollm2-135m-sparse BASE_TAG=_sn BASE_MODES="dense sparse" EVAL_JOBS=2 \
+    bash scripts/forecast_study.sh eval >> "$SN/log" 2>&1 &
+  FRACTION=0.2 bash scripts/forecast_study.sh start sn_forecast "${SN_STEPS:-600}" >> "$SN/log"
+  sleep 30
+  WAIT_S=100000 bash scripts/forecast_study.sh wait sn_forecast >> "$SN/log"
+  cp "$RUNS/sn_forecast/forecast.safetensors" "$W/forecast-smollm2-135m-sparse.safetensors" \
+    || { log "no Forecast"; wait; return 1; }
+  for c in 4096 8192; do
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 sparda demo --model smollm2-135m-sparse --dtype bfloat16 --context $c \
+      --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
+  done
+  BASELINES=0 EVAL_JOBS=2 EVAL_MODEL=smollm2-135m-sparse bash scripts/forecast_study.sh eval sn_forecast >> "$SN/log" 2>&1
+  wait
+  log "chain done"
+}
+
+case "${1:-status}" in
+  start)
+    python3 -c "import gguf" || { echo "gguf is not importable: carry .whl"; exit 1; }
+    [ -f "$DATA/manifest.json" ] || { echo "no corpus in $DATA: carry .data"; exit 1; }
+    [ -n "${SPARDA_SMOLLM2_GGUF:-}" ] || { echo "no SmolLM2 GGUF: carry .model0 and .model1"; exit 1; }
+    export -f chain log; export DATA SN RUNS W
+    setsid nohup bash -c chain >> "$SN/log" 2>&1 < /dev/null &
+    echo "started; log $SN/log" ;;
+  status)
+    tail -n 12 "$SN/log" 2>/dev/null
+    tail -c 400 "$SN/ft.log" 2>/dev/null | tr '\r' '\n' | tail -n 2
+    bash scripts/forecast_study.sh status 2>/dev/null | grep -A1 sn_forecast ;;
+  collect)  # at most 8 files come back from a call
+    dst=${OUT:-/tmp/out}/sn_study; mkdir -p "$dst"
+    tar czf "$dst/records.tgz" -C / --ignore-failed-read root/sn/log root/sn/ft.log root/sn/ft/metrics.jsonl \
+      root/sn/ft/config.json $(cd / && ls root/sn/demo_* root/study/eval/*_sn_* root/study/eval/sn_forecast_* \
+      root/study/sn_forecast/metrics.jsonl root/study/sn_forecast/config.json root/study/sn_forecast/metrics.png 2>/dev/null)
+    cp "$W/adapter-smollm2-135m-sparse.safetensors" "$dst/adapter.safetensors" 2>/dev/null
+    cp "$W/forecast-smollm2-135m-sparse.safetensors" "$dst/forecast.safetensors" 2>/dev/null
+    ls -la "$dst" ;;
+  *) sed -n '1,16p' "$0"; exit 2 ;;
+esac

@@ -16,6 +16,7 @@ NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
 FIGURES = {
     "quickstart.ipynb": ("quickstart_blocks.png", "quickstart_recall.png", "quickstart_copy.png"),
     "train_forecast.ipynb": ("train_metrics.png",),
+    "sparse_finetune.ipynb": ("sparse_grad_check.png", "finetune_metrics.png"),
     "offload_gpu.ipynb": ("offload_throughput.png", "offload_miss_rate.png"),
 }
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

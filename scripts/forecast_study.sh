@@ -9,7 +9,7 @@
 #   bash scripts/forecast_study.sh start NAME [N]  # one run of the table below, N steps
 #   bash scripts/forecast_study.sh status     # each run's step, loss, recall; GPU memory
 #   bash scripts/forecast_study.sh wait NAME..# block until those runs' processes have ended
-#   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts (+ baselines;
+#   bash scripts/forecast_study.sh eval NAME..# held-out evaluation of the runs' Forecasts ("shipped": the package's) (+ baselines;
 #                                             # EVAL_MODEL=smollm2-135m-sparse BASE_TAG=_sn for that model's)
 #   bash scripts/forecast_study.sh collect    # run records, eval results, the main Forecast into $OUT/forecast_study
 #                                             # (WITH_CHECKPOINT=1: its newest checkpoint too, in 15 MiB parts)
@@ -28,6 +28,7 @@
 #   src_own     mix, the Forecast reading layer l's own input: no lead (--forecast-source own_input)
 #   len8k       mix on 8K windows, 4 a step (the same tokens a step)
 #   cont8k      the shipped Forecast trained on with 8K windows, 4 a step (seed 2: other windows)
+#   cont8k2     the same again from the Forecast that cont8k made the shipped one (seed 3)
 #   sn_forecast the Forecast of the sparse-native SmolLM2 (needs its adapter in sparda_jax/weights/),
 #               started from the shipped Forecast
 set -u
@@ -54,6 +55,7 @@ flags() {
     len8k)    echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     cont)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
     cont8k)   echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 2 --seq-len 8192 --batch 4 --micro-batch 4" ;;
+    cont8k2)  echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 3 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     sn_forecast) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast sparda_jax/weights/forecast-smollm2-135m.safetensors" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
@@ -87,6 +89,7 @@ evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (basel
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
   # EVAL_MODEL: another model than SmolLM2 (smollm2-135m-sparse for sn_forecast and its baselines)
+  # EVAL_ARGS: more `sparda eval` arguments for the runs' Forecasts (e.g. --prev-bonus 2), EVAL_TAG in their names
   local sel="--suite selection --text $DATA --lengths 4096 8192 --seqs 4 ${EVAL_MODEL:+--model $EVAL_MODEL}"
   local cpy="--suite copy --text $DATA --lengths 4096 8192 --samples 8 ${EVAL_MODEL:+--model $EVAL_MODEL}"
   local jobs=$out/jobs${BASE_TAG:-}$$.txt; : > "$jobs"
@@ -100,10 +103,11 @@ evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (basel
   sel="$sel --splits $splits"; cpy="$cpy --splits $splits"
   for name in "$@"; do
     local f=$RUNS/$name/forecast.safetensors
+    [ "$name" = shipped ] && f=sparda_jax/weights/forecast-smollm2-135m.safetensors  # the package's own
     [ -f "$f" ] || { echo "no Forecast for $name yet"; continue; }
     cp "$f" "$out/$name.safetensors"  # the Forecast evaluated, even if its run goes on
-    echo "$sel --modes sparda --forecast $out/$name.safetensors --out $out/${name}_selection.json" >> "$jobs"
-    echo "$cpy --modes sparda --forecast $out/$name.safetensors --out $out/${name}_copy.json" >> "$jobs"
+    echo "$sel --modes sparda --forecast $out/$name.safetensors ${EVAL_ARGS:-} --out $out/${name}${EVAL_TAG:-}_selection.json" >> "$jobs"
+    echo "$cpy --modes sparda --forecast $out/$name.safetensors ${EVAL_ARGS:-} --out $out/${name}${EVAL_TAG:-}_copy.json" >> "$jobs"
   done
   # one line per job; each job's log beside its JSON
   XLA_PYTHON_CLIENT_MEM_FRACTION=${EVAL_FRACTION:-0.08} xargs -P "${EVAL_JOBS:-6}" -I{} \

@@ -7,7 +7,7 @@
 #   bash scripts/sn_study.sh status    # the chain's log, the runs' steps
 #   bash scripts/sn_study.sh collect   # records, JSONs, adapter and Forecast under $OUT/sn_study
 #
-# Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ) -> in
+# Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH) -> in
 # parallel: the model's dense / sparse baselines (copy + selection suites, every split, 4K and 8K)
 # and its Forecast (`forecast_study.sh start sn_forecast SN_STEPS`) -> the Forecast's evaluation
 # and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA.
@@ -24,7 +24,7 @@ chain() {
     cp "$ADAPTER" "$W/adapter-smollm2-135m-sparse.safetensors" || { log "no adapter $ADAPTER"; return 1; }
   else
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 sparda finetune --model smollm2-135m --data "$DATA" --out "$SN/ft" \
-      --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch 8 --micro-batch 2 --lr 5e-4 --rank 32 \
+      --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch "${FT_BATCH:-8}" --micro-batch 2 --lr 5e-4 --rank 32 \
       --save-every 25 --eval-every 50 --eval-seqs 2 --repeat-share 0.25 --scatter-share 0.25 \
       --objective distill > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
     cp "$SN/ft/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
@@ -37,7 +37,7 @@ chain() {
   WAIT_S=100000 bash scripts/forecast_study.sh wait sn_forecast >> "$SN/log"
   cp "$RUNS/sn_forecast/forecast.safetensors" "$W/forecast-smollm2-135m-sparse.safetensors" \
     || { log "no Forecast"; wait; return 1; }
-  for c in 4096 8192; do
+  for c in 4096 8128; do  # 8K: the prompt and 32 new tokens within the model's 8192
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 sparda demo --model smollm2-135m-sparse --dtype bfloat16 --context $c \
       --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
   done

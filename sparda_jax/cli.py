@@ -233,11 +233,6 @@ def _cmd_eval(args) -> int:
     env = environment()
     out = Path(args.out) if args.out else None
     forecast = args.forecast if args.forecast == "random" else None
-    if args.prev_bonus:  # an ablation: the previous layer's choice as a bonus in the Forecast's ranking
-        import dataclasses
-
-        model.config = model.config.replace(forecast=dataclasses.replace(model.config.forecast,
-                                                                         prev_bonus=args.prev_bonus))
     if args.forecast and args.forecast != "random":
         import dataclasses
 
@@ -570,9 +565,6 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--splits", nargs="+", help="with --text: the corpus splits, a row set each (default: its "
                                                "eval-* splits)")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--prev-bonus", type=float, default=0.0,
-                   help="sparda ablation: add this to the Forecast's logit of every block the previous layer "
-                        "selected (selection and copy suites; 0: off)")
     e.add_argument("--forecast", help="a Forecast .safetensors, or 'random' for an untrained one (default: the "
                                       "one shipped for the model, if any)")
     e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")

@@ -225,9 +225,6 @@ class ForecastConfig:
     "prev_input", layer l-1's normed input, known before layer l-1 attends (the prefetch's lead);
     "prev_mid" (layer l-1's normed state after its attention) and "own_input" (layer l's own
     normed input: no lead) are accuracy ablations that only the prefill-style forward runs.
-    `prev_bonus`: added to the Forecast's logit of every block the previous layer selected (its
-    probability times e^prev_bonus): layer l's own choice as a further input, an ablation that
-    only the prefill-style forward runs (0: off).
     """
 
     teacher_kernel_size: int = 2
@@ -236,11 +233,9 @@ class ForecastConfig:
     init_std: float = 0.02
     rest_bucket: bool = True  # the loss's bucket for the teacher's mass outside the kept set
     source: str = "prev_input"
-    prev_bonus: float = 0.0
 
     def __post_init__(self):
         c = "ForecastConfig"
-        check_float(c, "prev_bonus", self.prev_bonus, lo=0)
         for name in ("teacher_kernel_size", "teacher_kernel_stride", "supervision_k"):
             check_int(c, name, getattr(self, name), lo=1)
         check_bool(c, "rest_bucket", self.rest_bucket)

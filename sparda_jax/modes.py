@@ -59,8 +59,6 @@ def check_lead_forecast(config: ModelConfig, mode: str, path: str) -> None:
         raise NotImplementedError(f"{path} runs the Forecast on the previous layer's input (forecast.source "
                                   f"'prev_input'); source {config.forecast.source!r} is an accuracy ablation "
                                   f"that only `forward` runs")
-    if mode == "sparda" and config.forecast.prev_bonus:
-        raise NotImplementedError(f"{path} takes no forecast.prev_bonus (an accuracy ablation that only `forward` runs)")
 
 
 def layer_inputs(params, forecast, infinigen, *, unroll: bool = False):
@@ -114,17 +112,15 @@ def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool
 
     # the previous layer's state a sparda selection reads (config.forecast.source)
     sel_mid = plan.mode == "sparda" and c.forecast.source == "prev_mid"
-    # the previous layer's selection, carried for a Forecast with a bonus on it (an ablation)
-    carry_ids = plan.mode == "sparda" and not plan.dense and c.forecast.prev_bonus > 0
 
     def body(carry, lin):
-        x, h_prev, mid_prev, prev_ids = carry
+        x, h_prev, mid_prev = carry
         # Masks built from positions alone are the same in every layer: XLA hoists them out of
         # the layer loop and materializes them for all query chunks at once ([T, T]-sized).
         # Tying positions to this layer's input keeps them inside.
         pos, x = jax.lax.optimization_barrier((positions, x))
         x, _, out = layer_step(plan, ctx._replace(positions=pos), lin, x, mid_prev if sel_mid else h_prev,
-                               PromptKV(), prev_ids=prev_ids)
+                               PromptKV())
         p, aux = out.p, {}
         if return_kv:
             aux["k"], aux["v"] = p.k, p.v
@@ -136,14 +132,11 @@ def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool
             aux["ids"], aux["oracle"] = out.ids, out.oracle
         if tap is not None:
             aux["tap"] = tap(LayerView(p.h, h_prev, mid_prev, p.q, p.k, p.v, pos, cos, sin, lin.sel, lin.first))
-        return (x, p.h, out.mid, out.ids if carry_ids else None), aux
+        return (x, p.h, out.mid), aux
 
     x = embed(params, tokens, c, plan.dtype)
     zero = jnp.zeros_like(x)
-    # layer 0's "previous selection" is empty (-1): no block gets the bonus there
-    no_ids = jnp.full((b, c.num_kv_heads, t, c.sparse.topk), -1, jnp.int32) if carry_ids else None
-    (x, _, _, _), aux = run_layers(body, (x, zero, zero, no_ids), layer_inputs(params, forecast, infinigen),
-                                   unroll=False)
+    (x, _, _), aux = run_layers(body, (x, zero, zero), layer_inputs(params, forecast, infinigen), unroll=False)
     if logits_at is not None:  # only these rows reach the LM head ([B, T, vocab] is huge at long T)
         x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
     return (unembed(params, x, c) if return_logits else None), aux

@@ -139,10 +139,9 @@ def selector_input(plan: Plan, ctx: Ctx, lin: LayerIn, h, h_prev):
     return None
 
 
-def select_blocks(plan: Plan, ctx: Ctx, lin: LayerIn, q, h, h_prev, keys: KeySide, prev_ids=None):
+def select_blocks(plan: Plan, ctx: Ctx, lin: LayerIn, q, h, h_prev, keys: KeySide):
     """The block ids [B, K, T, topk] that the plan's mode selects for one layer, NOSA's cis
-    stage included. InfiniGen's layer 0 selects from its own queries (`lin.first`). prev_ids:
-    the previous layer's selection, for a sparda plan with `forecast.prev_bonus`."""
+    stage included. InfiniGen's layer 0 selects from its own queries (`lin.first`)."""
     c, stage1 = plan.config, plan.stage1
     impl = plan.implementations.select
     own = lambda: select_blocks_infllmv2(q, keys.kc, ctx.positions, stage1, n_blocks=ctx.n_blocks,
@@ -151,9 +150,8 @@ def select_blocks(plan: Plan, ctx: Ctx, lin: LayerIn, q, h, h_prev, keys: KeySid
     if plan.mode == "sparse":
         ids = own()
     elif plan.mode == "sparda":
-        bonus = c.forecast.prev_bonus if prev_ids is not None else 0.0
         ids = select_blocks_forecast(sel_in, keys.kc, ctx.positions, stage1, n_blocks=ctx.n_blocks,
-                                     implementation=impl, prev_ids=prev_ids if bonus else None, prev_bonus=bonus)
+                                     implementation=impl)
     else:
         later = lambda: select_blocks_infinigen(sel_in, keys.pk, ctx.positions, stage1, head_dim=c.head_dim,
                                                 n_blocks=ctx.n_blocks)
@@ -259,7 +257,7 @@ class StepOut(NamedTuple):
     mid: jax.Array
 
 
-def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=None, prefetch=None, prev_ids=None):
+def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=None, prefetch=None):
     """One decoder layer: x [B, T, D] -> (x, src, StepOut).
 
     h_prev: the previous layer's state the selector reads (its normed input; for a sparda plan
@@ -268,8 +266,7 @@ def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=No
     pending: this layer's selection and copy, started by the previous layer (the engine's
     prefetch); the layer then selects nothing itself. prefetch: (next layer's source, its
     LayerIn): select the next layer's blocks from this layer's h and start their copy before
-    this layer attends (the source's `prefetch`). prev_ids: the previous layer's selection
-    (`ForecastConfig.prev_bonus`; prefill-style forward only).
+    this layer attends (the source's `prefetch`).
     """
     p = project(plan, ctx, lin, x)
     src, keys, read = src.append(plan, ctx, lin, p, read=None if pending is None else pending.ids)
@@ -277,7 +274,7 @@ def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=No
     if pending is not None:
         ids = read  # the prefetched ids, ordered before this layer's append by the source
     elif not plan.dense:
-        ids = select_blocks(plan, ctx, lin, p.q, p.h, h_prev, keys, prev_ids)
+        ids = select_blocks(plan, ctx, lin, p.q, p.h, h_prev, keys)
         if plan.collect:
             oracle = ids if plan.mode == "sparse" else oracle_blocks(plan, ctx, p.q, keys)
     q, started = p.q, None

@@ -122,21 +122,17 @@ def test_the_sources_select_differently_and_train_on_their_state(setup):
         np.testing.assert_allclose(per_layer_kl[l], kl / rows, rtol=1e-4)
 
 
-def _refused_outside_the_forward(setup, c, match):
-    """The cached decode and the engine refuse config c's ablation (NotImplementedError matching)."""
+def test_only_the_forward_runs_an_ablation_source(setup):
     params, forecast, tokens = setup
+    c = _with_source("prev_mid")
     _, state = prefill(params, tokens, jnp.full((2,), T), c, cache_size=T + 8, mode="sparda", forecast=forecast)
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(NotImplementedError, match="prev_mid"):
         decode_step(params, tokens[:, -1], jnp.full((2,), T), state, c, mode="sparda", forecast=forecast)
     from sparda_jax.infer.engine import EngineConfig, engine_prefill
 
-    with pytest.raises(NotImplementedError, match=match):
+    with pytest.raises(NotImplementedError, match="prev_mid"):
         engine_prefill(params, tokens, jnp.full((2,), T), c, EngineConfig(mode="sparda"), cache_size=T + 8,
                        forecast=forecast)
-
-
-def test_only_the_forward_runs_an_ablation_source(setup):
-    _refused_outside_the_forward(setup, _with_source("prev_mid"), "prev_mid")
     with pytest.raises(ConfigError, match="source"):
         _with_source("next_input")
 
@@ -150,57 +146,3 @@ def test_forecast_file_records_its_source(setup, tmp_path):
     with pytest.raises(CheckpointError, match="reads 'prev_mid'"):
         load_forecast(path, TINY)  # would run it on the wrong state
     assert forecast_file_source(save_forecast(tmp_path / "g.safetensors", forecast, TINY)) == "prev_input"
-
-
-def _with_bonus(bonus):
-    return TINY.replace(forecast=dataclasses.replace(TINY.forecast, prev_bonus=bonus))
-
-
-def test_prev_bonus_ranks_as_numpy_does():
-    # the bonus enters the ranking as + bonus on the pooled logit of each previously chosen block
-    from sparda_jax.ops.block_select.reference import forecast_chunk_scores, pool_to_blocks
-
-    sp = dataclasses.replace(TINY.sparse, topk=6)
-    ks = jax.random.split(jax.random.key(7), 3)
-    f = jax.random.normal(ks[0], (1, T, 2, 16))
-    kc = compress_keys(jax.random.normal(ks[1], (1, T, 2, 16)), sp.kernel_size, sp.kernel_stride)
-    pos = jnp.arange(T)[None]
-    nb = T // sp.block_size
-    prev = np.asarray(jax.random.randint(ks[2], (1, 2, T, 3), -1, nb))
-    bonus = 0.7
-    got = np.asarray(select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb, q_chunk=48,
-                                                      prev_ids=jnp.asarray(prev), prev_bonus=bonus))
-    s = np.asarray(pool_to_blocks(forecast_chunk_scores(f, kc, pos, sp), nb, sp), np.float64)
-    for h, t in np.ndindex(2, T):
-        row = s[0, h, t].copy()
-        row[[i for i in set(prev[0, h, t]) if i >= 0]] += bonus
-        qb = t // sp.block_size
-        cand = [i for i in range(qb + 1)]
-        forced = [i for i in cand if i < sp.init_blocks or i >= qb - sp.local_blocks]
-        rest = sorted((i for i in cand if i not in forced), key=lambda i: (-row[i], i))
-        want = sorted(forced + rest[:max(0, sp.topk - len(forced))])
-        assert list(got[0, h, t][got[0, h, t] >= 0]) == want, (h, t)
-    plain = select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb)
-    zero = select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb, prev_ids=jnp.asarray(prev), prev_bonus=0.0)
-    np.testing.assert_array_equal(zero, plain)
-    assert np.mean(np.asarray(plain) != got) > 0  # the bonus changed some choices
-
-
-def test_a_huge_prev_bonus_copies_the_first_layers_choice(setup):
-    # every block layer l chose outranks every other content block in layer l+1: with the same
-    # budget and forced blocks, each layer then selects what layer 0 selected
-    params, forecast, tokens = setup
-    _, off = forward(params, tokens, TINY, mode="sparda", forecast=forecast, collect_selection=True)
-    _, zero = forward(params, tokens, _with_bonus(0.0), mode="sparda", forecast=forecast, collect_selection=True)
-    _, huge = forward(params, tokens, _with_bonus(1e9), mode="sparda", forecast=forecast, collect_selection=True)
-    np.testing.assert_array_equal(zero["ids"], off["ids"])
-    np.testing.assert_array_equal(huge["ids"][0], off["ids"][0])
-    for l in range(1, TINY.num_layers):
-        np.testing.assert_array_equal(huge["ids"][l], huge["ids"][0])
-    assert np.any(np.asarray(off["ids"][1]) != np.asarray(off["ids"][0]))  # without it they differ
-
-
-def test_only_the_forward_runs_a_prev_bonus(setup):
-    _refused_outside_the_forward(setup, _with_bonus(0.5), "prev_bonus")
-    with pytest.raises(ConfigError, match="prev_bonus"):
-        _with_bonus(-1.0)

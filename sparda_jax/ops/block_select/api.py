@@ -71,15 +71,12 @@ def _infllmv2_mosaic(implementation):
 
 
 @FORECAST_BACKENDS.register("xla")
-def _forecast_xla(f, kc, q_positions, sparse, *, n_blocks, q_chunk, prev_ids, prev_bonus):
-    return select_blocks_forecast_reference(f, kc, q_positions, sparse, n_blocks=n_blocks, q_chunk=q_chunk,
-                                            prev_ids=prev_ids, prev_bonus=prev_bonus)
+def _forecast_xla(f, kc, q_positions, sparse, *, n_blocks, q_chunk):
+    return select_blocks_forecast_reference(f, kc, q_positions, sparse, n_blocks=n_blocks, q_chunk=q_chunk)
 
 
 def _forecast_mosaic(implementation):
-    def run(f, kc, q_positions, sparse, *, n_blocks, q_chunk, prev_ids, prev_bonus):
-        if prev_ids is not None:
-            raise NotImplementedError("the Mosaic GPU Forecast selector takes no prev_ids (an ablation: xla only)")
+    def run(f, kc, q_positions, sparse, *, n_blocks, q_chunk):
         _mosaic_support(implementation, f, n_blocks)
         from .forecast_mgpu import forecast_select
 
@@ -111,21 +108,15 @@ def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coars
 
 
 def select_blocks_forecast(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
-                           q_chunk: int = 512, implementation: str | None = None, prev_ids=None,
-                           prev_bonus: float = 0.0) -> jax.Array:
+                           q_chunk: int = 512, implementation: str | None = None) -> jax.Array:
     """SparDA selection from the Forecast. f [B, Tq, K, D] (one head per KV head), kc
     [B, N_c, K, D], q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk].
-    prev_ids int [B, K, Tq, n]: blocks whose logit gets + prev_bonus (`ForecastConfig.prev_bonus`;
-    the "xla" backend only). implementation: see the module docstring. Raises TypeError if sparse
-    is not a SparseConfig."""
+    implementation: see the module docstring. Raises TypeError if sparse is not a SparseConfig."""
     _check_sparse(sparse)
     _check_forecast(f, kc, q_positions)
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
-    if prev_ids is not None and prev_ids.shape[:3] != (f.shape[0], f.shape[2], f.shape[1]):
-        raise ValueError(f"prev_ids must be [B, K, Tq, n] = [{f.shape[0]}, {f.shape[2]}, {f.shape[1]}, n], "
-                         f"got {prev_ids.shape}")
     return FORECAST_BACKENDS(implementation, default_order(f), f, kc, q_positions, sparse, n_blocks=nb,
-                             q_chunk=q_chunk, prev_ids=prev_ids, prev_bonus=prev_bonus)
+                             q_chunk=q_chunk)
 
 
 def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,

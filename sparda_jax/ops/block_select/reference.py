@@ -209,24 +209,17 @@ def select_blocks_infllmv2_reference(q, kc, q_positions, sparse: SparseConfig, *
 
 
 def select_blocks_forecast_reference(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
-                                     q_chunk: int = 512, prev_ids=None, prev_bonus: float = 0.0) -> jax.Array:
-    """SparDA selection from the Forecast, in jnp. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk].
-    prev_ids int [B, K, Tq, n] (-1 padded): blocks whose pooled logit gets + prev_bonus (the
-    previous layer's choice, `ForecastConfig.prev_bonus`)."""
+                                     q_chunk: int = 512) -> jax.Array:
+    """SparDA selection from the Forecast, in jnp. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk]."""
     _check_sparse(sparse)
     _check_forecast(f, kc, q_positions)
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
 
-    def one(fc, pc, *prev):
-        s = pool_to_blocks(forecast_chunk_scores(fc, kc, pc, sparse), nb, sparse)
-        if prev:
-            held = jnp.any(jnp.moveaxis(prev[0], 1, 2)[..., None] == jnp.arange(nb).reshape(1, 1, 1, 1, nb), axis=-2)
-            s = s + jnp.where(held, jnp.float32(prev_bonus), 0.0)
-        return finalize_topk(s, pc, sparse.topk, sparse)
+    def one(fc, pc):
+        s = forecast_chunk_scores(fc, kc, pc, sparse)
+        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
 
-    if prev_ids is None:
-        return _map_query_chunks(one, q_chunk, f, q_positions)
-    return _map_query_chunks(one, q_chunk, f, q_positions, jnp.moveaxis(prev_ids, 2, 1))
+    return _map_query_chunks(one, q_chunk, f, q_positions)
 
 
 def _check_forecast(f, kc, q_positions):

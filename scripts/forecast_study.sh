@@ -89,7 +89,7 @@ evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (basel
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
   # EVAL_MODEL: another model than SmolLM2 (smollm2-135m-sparse for sn_forecast and its baselines)
-  # EVAL_ARGS: more `sparda eval` arguments for the runs' Forecasts (e.g. --prev-bonus 2), EVAL_TAG in their names
+  # EVAL_ARGS: more `sparda eval` arguments for the runs' Forecasts (e.g. --seed 1), EVAL_TAG in their names
   local sel="--suite selection --text $DATA --lengths 4096 8192 --seqs 4 ${EVAL_MODEL:+--model $EVAL_MODEL}"
   local cpy="--suite copy --text $DATA --lengths 4096 8192 --samples 8 ${EVAL_MODEL:+--model $EVAL_MODEL}"
   local jobs=$out/jobs${BASE_TAG:-}$$.txt; : > "$jobs"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 
 import jax
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
            "forecast_trained": extra["forecast_trained"], "pooled": pooled,
            "layers": [{k: (round(float(v), 4) if k != "layer" else v) for k, v in r.items()} for r in rows],
            "seconds": round(time.perf_counter() - t0, 1), "environment": environment(),
-           "command": "python -m sparda_jax.eval.prev_selection " + " ".join(argv if argv is not None else __import__("sys").argv[1:])}
+           "command": "python -m sparda_jax.eval.prev_selection " + " ".join(sys.argv[1:] if argv is None else argv)}
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
     print(json.dumps(pooled))

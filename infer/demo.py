@@ -33,6 +33,7 @@ class RetrievalCase:
     room: str
     depth: float
     context_tokens: int
+    fact: tuple[int, int] = (0, 0)  # the fact's tokens: prompt_ids[fact[0]:fact[1]]
 
     def correct(self, answer: str) -> bool:
         return self.name.split()[0] in answer and self.room in answer
@@ -52,8 +53,10 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
     if n_hay < 64:
         raise ValueError(f"context_tokens={context_tokens} leaves no room for the haystack")
     hay = haystack_tokens(tok.encode, n_hay, seed=seed)
-    body = insert_at_depth(hay, tok.encode(needle), depth, tok.decode)
-    return RetrievalCase(pre + body + post, name, room, depth, context_tokens)
+    fact = tok.encode(needle)
+    body = insert_at_depth(hay, fact, depth, tok.decode)
+    start = len(pre) + next(i for i in range(len(body)) if body[i:i + len(fact)] == fact)
+    return RetrievalCase(pre + body + post, name, room, depth, context_tokens, (start, start + len(fact)))
 
 
 def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), seed: int = 0,

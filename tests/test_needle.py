@@ -1,0 +1,24 @@
+"""The demo's fact span and the needle probe's row shares."""
+
+import numpy as np
+
+import sparda_jax as sj
+from sparda_jax.eval.needle import needle_rows
+from sparda_jax.infer.demo import make_case
+
+
+def test_the_case_knows_where_its_fact_is():
+    model = sj.load_pretrained("smollm2-135m")
+    case = make_case(model, 1024, 0.5, 0)
+    text = model.tokenizer.decode(case.prompt_ids[case.fact[0]:case.fact[1]])
+    assert text.strip().startswith("Remember this:") and case.name in text and f"Room {case.room}" in text
+    assert 0.3 * 1024 < case.fact[0] < 0.7 * 1024
+
+
+def test_needle_rows_counts_rows_holding_a_block():
+    ids = -np.ones((2, 1, 1, 6, 3), int)  # [L, B, K, T, n]
+    ids[0, 0, 0, 2:, 0] = 7                # layer 0: rows 2..5 hold block 7
+    ids[1, 0, 0, 4, 1] = 9                 # layer 1: row 4 holds block 9
+    np.testing.assert_allclose(needle_rows(ids, 2, [7]), [1.0, 0.0])
+    np.testing.assert_allclose(needle_rows(ids, 2, [7, 9]), [1.0, 0.25])
+    np.testing.assert_allclose(needle_rows(ids, 0, [7]), [4 / 6, 0.0])

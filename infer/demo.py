@@ -33,7 +33,7 @@ class RetrievalCase:
     room: str
     depth: float
     context_tokens: int
-    fact: tuple[int, int] = (0, 0)  # the fact's tokens: prompt_ids[fact[0]:fact[1]]
+    fact: tuple[int, int]  # the fact's tokens: prompt_ids[fact[0]:fact[1]]
 
     def correct(self, answer: str) -> bool:
         return self.name.split()[0] in answer and self.room in answer

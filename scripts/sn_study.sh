@@ -7,7 +7,7 @@
 #   bash scripts/sn_study.sh status    # the chain's log, the runs' steps
 #   bash scripts/sn_study.sh collect   # records, JSONs, adapter and Forecast under $OUT/sn_study
 #
-# Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH) -> in
+# Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH, FT_COPY) -> in
 # parallel: the model's dense / sparse baselines (copy + selection suites, every split, 4K and 8K)
 # and its Forecast (`forecast_study.sh start sn_forecast SN_STEPS`) -> the Forecast's evaluation
 # and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA.
@@ -26,7 +26,7 @@ chain() {
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 sparda finetune --model smollm2-135m --data "$DATA" --out "$SN/ft" \
       --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch "${FT_BATCH:-8}" --micro-batch 2 --lr 5e-4 --rank 32 \
       --save-every 25 --eval-every 50 --eval-seqs 2 --repeat-share 0.25 --scatter-share 0.25 \
-      --objective distill > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
+      --objective distill --copy-weight "${FT_COPY:-0}" > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
     cp "$SN/ft/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
   fi
   log "adapter in place"

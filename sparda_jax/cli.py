@@ -376,7 +376,8 @@ def _cmd_finetune(args) -> int:
     _check_output(args.out, directory=True)
     # the settings are checked before the model loads
     lora = LoraConfig(rank=args.rank, alpha=float(args.alpha if args.alpha is not None else 2 * args.rank))
-    fc = FinetuneConfig(lora=lora, objective=args.objective, dense_weight=args.dense_weight, seq_len=args.seq_len, batch=args.batch,
+    fc = FinetuneConfig(lora=lora, objective=args.objective, dense_weight=args.dense_weight,
+                        copy_weight=args.copy_weight, seq_len=args.seq_len, batch=args.batch,
                         micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, dtype=args.train_dtype,
                         seed=args.seed)
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
@@ -602,6 +603,10 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--objective", choices=["nll", "distill"], default="nll",
                     help="nll: next-token NLL of the training text under sparse attention; distill: KL from the base "
                          "model's own dense next-token distribution (keeps an instruct model's behaviour)")
+    ft.add_argument("--copy-weight", type=float, default=0.0,
+                    help="add this times the sparse NLL of the tokens a long-range copy predicts (a run of 9 tokens "
+                         "seen 1024+ tokens earlier): retrieval, which distill learns only where the base model's "
+                         "dense mode retrieves")
     ft.add_argument("--dense-weight", type=float, default=0.0,
                     help="weight w of the dense-mode NLL in the loss (1 - w) sparse + w dense: w > 0 keeps the dense "
                          "mode of the adapted weights from drifting, 1 is the dense-only control")

@@ -329,3 +329,56 @@ def test_gradients_match_autodiff_of_dense_masked_attention(tiny_params, monkeyp
         scale = float(jnp.abs(b).max())
         assert scale > 0, path
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5 * scale, err_msg=str(path))
+
+
+def _copies_brute_force(tokens, n, min_gap):
+    """Prediction t is a copy when tokens[t+1-n : t+2] occurred ending at e' <= t+1 - min_gap, e' >= n."""
+    b, t = tokens.shape
+    out = np.zeros((b, t - 1), bool)
+    for r in range(b):
+        seen = {}
+        for e in range(n, t):
+            key = tuple(tokens[r, e - n:e + 1])
+            seen.setdefault(key, e)
+            out[r, e - 1] = seen[key] <= e - min_gap
+    return out
+
+
+def test_copy_positions_mark_what_a_long_range_copy_predicts():
+    from sparda_jax.train.finetune import copy_positions
+
+    rng = np.random.default_rng(0)
+    tok = rng.integers(0, 50_000, (2, 3000))
+    tok[0, 2000:2100] = tok[0, 300:400]            # a 100-token span repeated 1600 tokens later
+    tok[1, 1100:1140] = tok[1, 200:240]            # and one 900 later: inside the gap, not a copy
+    got = np.asarray(copy_positions(jnp.asarray(tok), n=8, min_gap=1024))
+    want = np.zeros_like(got)
+    want[0, 2007:2099] = True                       # predictions of tokens 2008..2099: a full 9-gram
+    np.testing.assert_array_equal(got, want)
+    small = rng.integers(0, 3, (2, 700))            # a 3-token vocabulary: repeats everywhere
+    np.testing.assert_array_equal(np.asarray(copy_positions(jnp.asarray(small), n=4, min_gap=100)),
+                                  _copies_brute_force(small, 4, 100))
+
+
+def test_copy_weight_adds_the_sparse_nll_of_the_copied_tokens(tiny_params):
+    import dataclasses
+
+    from sparda_jax.train.finetune import copy_positions
+
+    tok = np.array(_tokens(8, (2, T)))
+    tok[:, 66:96] = tok[:, 2:32]                    # a 30-token copy 64 tokens after its source
+    tok = jnp.asarray(tok)
+    fc = dataclasses.replace(FC, objective="distill", copy_weight=0.5)
+    ad = _random_adapter(9)
+    with pytest.MonkeyPatch.context() as mp:  # the window of the tiny model is short: a small gap
+        from sparda_jax.train import finetune as ft
+        mp.setattr(ft, "copy_positions", lambda t: copy_positions(t, min_gap=64))
+        loss, parts = finetune_loss(ad, tiny_params, tok, config=TINY, fc=fc)
+    mask = np.asarray(copy_positions(tok, min_gap=64))
+    assert mask.sum() == 2 * (30 - 8)
+    student = forward(merge_adapter(tiny_params, ad, LORA), tok, TINY, mode="sparse")
+    nll = -np.take_along_axis(_log_softmax64(student)[:, :-1], np.asarray(tok)[:, 1:, None], -1)[..., 0]
+    np.testing.assert_allclose(float(parts["nll_copy"]), nll[mask].mean(), rtol=1e-5)
+    np.testing.assert_allclose(float(loss), float(parts["kl_sparse"]) + 0.5 * nll[mask].mean(), rtol=1e-5)
+    with pytest.raises(ValueError, match="copy_weight"):
+        dataclasses.replace(fc, copy_weight=-1.0)

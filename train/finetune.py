@@ -59,7 +59,10 @@ class FinetuneConfig:
     L the objective's term for that mode of the merged weights. The merged weights serve the
     dense mode too (short prompts, the dense baseline the sparse mode is measured against): w > 0
     keeps that mode from drifting, and w = 1 is the control run that adapts to the data alone.
-    w = 0 (default) skips the dense pass.
+    w = 0 (default) skips the dense pass. copy_weight c >= 0 adds c times the sparse NLL of the
+    tokens a long-range copy predicts (`copy_positions`: the token and the 8 before it occurred
+    together at least 1024 tokens earlier), the retrieval the demo and the copy task ask for,
+    which "distill" inherits only where the base model's dense mode retrieves.
     Defaults: 60 steps of 8 sequences of 4096 tokens (a short first run; docs/finetune.md has
     the longer one), AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight decay), grad-norm
     clip 1, bf16 compute. `steps` is left out of equality and
@@ -70,6 +73,7 @@ class FinetuneConfig:
     lora: LoraConfig = LoraConfig()
     objective: str = "nll"
     dense_weight: float = 0.0
+    copy_weight: float = 0.0
     seq_len: int = 4096
     batch: int = 8
     micro_batch: int = 8
@@ -87,6 +91,7 @@ class FinetuneConfig:
         c = "FinetuneConfig"
         check_instance(c, "lora", self.lora, LoraConfig)
         check_float(c, "dense_weight", self.dense_weight, lo=0, hi=1)
+        check_float(c, "copy_weight", self.copy_weight, lo=0)
         if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
             raise ConfigError(f"{c}.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         check_run_settings(c, self)
@@ -117,11 +122,46 @@ def token_nll(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return jax.nn.logsumexp(z, axis=-1) - picked
 
 
+COPY_NGRAM = 8     # a copied token continues a run of this many tokens seen before
+COPY_MIN_GAP = 1024  # that far back at least (beyond the local window: retrieval, not recency)
+_HASH = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1, 0xD3A2646C, 0xFD7046C5, 0xB55A4F09,
+         0x7FEB352D)  # odd multipliers of a wrapping uint32 hash of the COPY_NGRAM + 1 tokens
+
+
+def copy_positions(tokens: jax.Array, *, n: int = COPY_NGRAM, min_gap: int = COPY_MIN_GAP) -> jax.Array:
+    """tokens int [B, T] -> bool [B, T - 1]: prediction t (of tokens[:, t + 1]) is a copy when the
+    n + 1 tokens ending at t + 1 occurred, in the same order, ending at least min_gap positions
+    earlier. n + 1 tokens are hashed to uint32 (a collision marks an ordinary token: harmless)."""
+    if n + 1 > len(_HASH):
+        raise ValueError(f"n must be at most {len(_HASH) - 1}, got {n}")
+    b, t = tokens.shape
+    x = tokens.astype(jnp.uint32)
+    h = jnp.zeros((b, t), jnp.uint32)
+    for i in range(n + 1):  # h[e] = sum_i tokens[e - i] * C_i  (mod 2^32)
+        h = h + jnp.pad(x, ((0, 0), (i, 0)))[:, :t] * jnp.uint32(_HASH[i])
+    pos = jnp.arange(t, dtype=jnp.int32)
+
+    short = pos < n  # windows cut by the sequence's start: grouped apart from the full ones
+
+    def first_seen(hr):  # per position: the first position of its group (the same hash, both full)
+        order = jnp.lexsort((pos, hr, short))
+        hs, ss = hr[order], short[order]
+        change = (hs[1:] != hs[:-1]) | (ss[1:] != ss[:-1])
+        group = jnp.cumsum(jnp.concatenate([jnp.zeros(1, jnp.int32), change.astype(jnp.int32)]))
+        first = jax.ops.segment_min(pos[order], group, num_segments=t)[group]
+        return jnp.zeros(t, jnp.int32).at[order].set(first)
+
+    first = jax.vmap(first_seen)(h)
+    copied = ~short[None, :] & (first <= pos[None, :] - min_gap)
+    return copied[:, 1:]
+
+
 def _parts(fc: FinetuneConfig) -> tuple[str, ...]:
     modes = ("sparse", "dense") if fc.dense_weight > 0 else ("sparse",)
+    copy = ("nll_copy",) if fc.copy_weight > 0 else ()
     if fc.objective == "nll":
-        return tuple(f"nll_{m}" for m in modes)
-    return tuple(f"kl_{m}" for m in modes) + ("nll_sparse",)
+        return tuple(f"nll_{m}" for m in modes) + copy
+    return tuple(f"kl_{m}" for m in modes) + ("nll_sparse",) + copy
 
 
 def token_kl(teacher_logits, logits):
@@ -132,7 +172,8 @@ def token_kl(teacher_logits, logits):
 
 def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: ModelConfig, fc: FinetuneConfig,
                   implementations: Implementations = Implementations()):
-    """(1 - w) * L_sparse + w * L_dense (w = fc.dense_weight; the dense pass only when w > 0) of
+    """(1 - w) * L_sparse + w * L_dense (+ fc.copy_weight * the sparse NLL at `copy_positions`;
+    w = fc.dense_weight, the dense pass only when w > 0) of
     the backbone with the adapter merged in, computed in fc.dtype, each term a mean over all
     B * (T - 1) next-token predictions: the NLL of tokens[:, 1:] ("nll"), or the KL from the
     base backbone's dense distribution ("distill"). tokens int [B, T]; implementations: the ops'
@@ -144,13 +185,19 @@ def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: M
     modes = ("sparse", "dense") if fc.dense_weight > 0 else ("sparse",)
     logits = {m: run(params, m) for m in modes}
     nll_modes = modes if fc.objective == "nll" else ("sparse",)
-    parts = {f"nll_{m}": jnp.mean(token_nll(logits[m], tokens)) for m in nll_modes}
+    nll = {m: token_nll(logits[m], tokens) for m in nll_modes}
+    parts = {f"nll_{m}": jnp.mean(v) for m, v in nll.items()}
+    if fc.copy_weight > 0:
+        mask = copy_positions(tokens)
+        parts["nll_copy"] = jnp.sum(jnp.where(mask, nll["sparse"], 0.0)) / jnp.maximum(jnp.sum(mask), 1)
     if fc.objective == "distill":
         teacher = jax.lax.stop_gradient(run(backbone, "dense")[:, :-1])
         parts |= {f"kl_{m}": jnp.mean(token_kl(teacher, logits[m][:, :-1])) for m in modes}
     term = "nll" if fc.objective == "nll" else "kl"
     w = fc.dense_weight
     loss = parts[f"{term}_sparse"] if w == 0 else (1 - w) * parts[f"{term}_sparse"] + w * parts[f"{term}_dense"]
+    if fc.copy_weight > 0:
+        loss = loss + fc.copy_weight * parts["nll_copy"]
     return loss, {k: parts[k] for k in _parts(fc)}
 
 

@@ -23,14 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparda_jax.metrics import forced_mask
+from sparda_jax.ops.block_select.reference import block_mask
 
 __all__ = ["prev_selection_counts", "main"]
-
-
-def _one_hot(ids, nb: int):
-    """ids int [..., n] (-1 padded) -> bool [..., nb]."""
-    blocks = jnp.arange(nb).reshape((1,) * ids.ndim + (nb,))
-    return jnp.any(ids[..., None] == blocks, axis=-2)
 
 
 def prev_selection_counts(ids, oracle, q_positions, sparse, n_blocks: int):
@@ -45,7 +40,7 @@ def prev_selection_counts(ids, oracle, q_positions, sparse, n_blocks: int):
 
     def layer(args):
         cur, orc, prev = args
-        s, o, p = _one_hot(cur, n_blocks) & content, _one_hot(orc, n_blocks) & content, _one_hot(prev, n_blocks)
+        s, o, p = block_mask(cur, n_blocks) & content, block_mask(orc, n_blocks) & content, block_mask(prev, n_blocks)
         miss, left = o & ~s, content & ~s
         return jnp.stack([jnp.sum(o), jnp.sum(o & s), jnp.sum(miss), jnp.sum(miss & p), jnp.sum(left),
                           jnp.sum(left & p)])

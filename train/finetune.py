@@ -43,8 +43,8 @@ from .checkpoint import Checkpointer
 from .objective import check_run_settings, make_optimizer, mean_grads
 from .run import held_out_tokens, make_mesh, place_run, plot_metrics, run_record, run_steps, step_batch, training_data
 
-__all__ = ["FinetuneConfig", "OBJECTIVES", "AdapterState", "init_adapter", "token_nll", "token_kl", "finetune_loss", "init_adapter_state",
-           "finetune_step", "heldout_nll", "finetune"]
+__all__ = ["FinetuneConfig", "OBJECTIVES", "AdapterState", "init_adapter", "token_nll", "token_kl", "copy_positions",
+           "finetune_loss", "init_adapter_state", "finetune_step", "heldout_nll", "finetune"]
 
 
 OBJECTIVES = ("nll", "distill")

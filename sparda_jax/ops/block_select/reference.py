@@ -233,6 +233,12 @@ def compress_cis(cis, sparse: SparseConfig) -> jax.Array:
     return compress_keys(cis.astype(jnp.float32)[..., None], sparse.kernel_size, sparse.kernel_stride)[..., 0]
 
 
+def block_mask(ids, n_blocks: int) -> jax.Array:
+    """ids int [..., n] (-1 padded) -> bool [..., n_blocks]: which blocks the ids name."""
+    blocks = jnp.arange(n_blocks).reshape((1,) * ids.ndim + (n_blocks,))
+    return jnp.any(ids[..., None] == blocks, axis=-2)
+
+
 def nosa_refine(qk_ids, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: int,
                 q_chunk: int = 128) -> jax.Array:
     """NOSA's query-agnostic stage: the stage-1 blocks `qk_ids` [B, K, Tq, n1] get +inf in the
@@ -245,7 +251,7 @@ def nosa_refine(qk_ids, cis_c, q_positions, sparse: SparseConfig, *, n_blocks: i
         idc = jnp.moveaxis(idc, 1, 2)  # [B, K, tq, n1]
         vis = chunk_visible(jnp.arange(cis_t.shape[-1]), pc, sparse.kernel_size, sparse.kernel_stride)
         cb = pool_to_blocks(jnp.where(vis[:, None], cis_t[:, :, None, :], -INF), n_blocks, sparse)
-        chosen = jnp.any(idc[..., None] == jnp.arange(n_blocks).reshape(1, 1, 1, 1, n_blocks), axis=-2)
+        chosen = block_mask(idc, n_blocks)
         return finalize_topk(jnp.where(chosen, INF, cb), pc, sparse.topk, sparse, force=False)
 
     return _map_query_chunks(one, q_chunk, qk_t, q_positions)

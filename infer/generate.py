@@ -96,6 +96,9 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
                          f"({config.max_position_embeddings})")
     for p in prompts:
         check_token_ids(np.asarray(p), config.vocab_size)
+    # whole blocks: the compiled decode kernels take no partial one (positions past the last
+    # new token are never attended)
+    cache_size = -(-cache_size // config.sparse.block_size) * config.sparse.block_size
     config = _budget_within_cache(config, cache_size)
     _admit_memory(params, config, len(prompts), cache_size, engine, dtype)
     tokens = np.zeros((len(prompts), t_pad), np.int32)

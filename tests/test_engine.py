@@ -343,6 +343,19 @@ def test_generation_through_the_engine_matches_resident(setup):
     assert stats["steps"] == 39 and 0 < stats["copied_blocks"] < stats["selected_blocks"]
 
 
+def test_generation_sizes_the_cache_in_whole_blocks(setup, monkeypatch):
+    """generate's cache holds whole blocks (the compiled decode kernel takes no partial one): a
+    20-token prompt (padded to 64) + 5 new tokens gets 80 positions with TINY's 16-token blocks."""
+    from sparda_jax.infer import generate as G
+
+    params, forecast, _ = setup
+    sizes, prefill = [], G.prefill
+    monkeypatch.setattr(G, "prefill", lambda *a, cache_size, **kw: sizes.append(cache_size) or prefill(
+        *a, cache_size=cache_size, **kw))
+    out = G.generate(params, TINY, [list(range(1, 21))], G.SamplingConfig(max_new_tokens=5), mode="sparse")
+    assert sizes == [80] and len(out[0]) == 5
+
+
 def test_generation_stops_where_a_stop_token_comes_and_counts_only_the_steps_it_used(setup):
     """The loop dispatches the next step before it reads a token: a step run past the last
     sequence's stop token must not show, in the tokens or in the counters."""

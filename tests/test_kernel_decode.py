@@ -149,6 +149,11 @@ def test_dispatch_through_sparse_attention():
         sparse_attention(q32[:, None], k32, v32, ids[:, :, None], pos[:, None], implementation="xla"))
     with pytest.raises(NotImplementedError, match="bf16/f16"):
         sparse_attention(q32[:, None], k32, v32, ids[:, :, None], pos[:, None], implementation="mosaic_gpu_interpret")
+    # a cache of a partial last block: not the kernel's (None falls back to the reference there)
+    cut = k.shape[1] - 16
+    with pytest.raises(NotImplementedError, match="whole 64-token blocks"):
+        sparse_attention(q[:, None], k[:, :cut], v[:, :cut], ids[:, :, None], jnp.minimum(pos, cut - 1)[:, None],
+                         implementation="mosaic_gpu_interpret")
 
 
 def test_default_split_count():

@@ -6,7 +6,8 @@ Backends (default order "mosaic_gpu", "xla"):
                          prefill kernel (`prefill.py`; bias allowed, any order of block ids),
                          Tq == 1 to the decode kernel (`decode.py`; no bias, block ids as
                          the selectors emit them: ascending, unique, -1 padding at the end).
-                         bf16/f16, 64-token blocks, head dim 64 or 128;
+                         bf16/f16, 64-token blocks, head dim 64 or 128, decode on a cache of
+                         whole blocks;
   "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
                          any head dim that is a multiple of 64.
 A Mosaic backend raises NotImplementedError for inputs outside that envelope, so None falls
@@ -53,6 +54,9 @@ def _mosaic_support(implementation: str, q, k, v, block_size: int, bias) -> None
         raise NotImplementedError(f"the Mosaic GPU kernels take bf16/f16 q, k, v; got {q.dtype}, {k.dtype}, {v.dtype}")
     if decode and bias is not None:
         raise NotImplementedError("the Mosaic GPU decode kernel (Tq == 1) takes no bias")
+    if decode and k.ndim == 4 and k.shape[1] % BLOCK:  # the paged pools [B, K, n_slots, bs, D] are whole blocks
+        raise NotImplementedError(f"the Mosaic GPU decode kernel takes a cache of whole {BLOCK}-token blocks, "
+                                  f"got {k.shape[1]} positions")
     d = q.shape[-1]
     # compiled: the head dims the kernels were validated at on the H200; interpreted: their rule
     dims_ok = d in (64, 128) if implementation == "mosaic_gpu" else d % 64 == 0

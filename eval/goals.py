@@ -4,6 +4,12 @@
   recall  recall against the in-run InfLLM-V2 selection >= 0.92 at 4096 tokens, >= 0.88 at 8192
   ppl     late-half perplexity within 1% of Sparse's (ratio <= 1.01) at 4096 and 8192 tokens
 
+The sparse-native model's goals (`native_goal_checks`: its InfLLM-V2 sparse mode against its own
+dense mode):
+
+  copy    copy NLL of Sparse within 1.2x of dense's (ratio <= 1.2), at every measured length
+  ppl     late-half perplexity of Sparse within 1% of dense's (ratio <= 1.01)
+
 Each check is made per split and, where there are several, over all splits pooled (copy NLL:
 mean over all sequences; recall: all hits over all rows; perplexity: token-weighted mean NLL);
 a pooled ratio pools only the splits that both modes were measured on.
@@ -14,11 +20,13 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["COPY_NLL_RATIO", "RECALL_MIN", "PPL_RATIO", "goal_checks", "goals_text"]
+__all__ = ["COPY_NLL_RATIO", "RECALL_MIN", "PPL_RATIO", "NATIVE_COPY_NLL_RATIO", "goal_checks", "native_goal_checks",
+           "goals_text"]
 
 COPY_NLL_RATIO = 1.15
 RECALL_MIN = {4096: 0.92, 8192: 0.88}
 PPL_RATIO = 1.01
+NATIVE_COPY_NLL_RATIO = 1.2
 ALL = "all splits"
 
 
@@ -59,8 +67,21 @@ def _common(mine: list[dict], ref: list[dict]) -> tuple[list[dict], list[dict]]:
 
 
 def goal_checks(selection: dict | None = None, copy: dict | None = None, *, reference: str = "sparse") -> list[dict]:
-    """The checks that the given results' rows allow, each a dict: goal, split, length, mode,
-    value, reference (the reference mode's value, or None), target (text), passed."""
+    """The Forecast's checks that the given results' rows allow (every mode starting with
+    "sparda" against `reference`), each a dict: goal, split, length, mode, value, reference (the
+    reference mode's value, or None), target (text), passed."""
+    return _checks(selection, copy, reference=reference, picked=lambda m: m.startswith("sparda"),
+                   copy_ratio=COPY_NLL_RATIO, recall=True)
+
+
+def native_goal_checks(selection: dict | None = None, copy: dict | None = None) -> list[dict]:
+    """The sparse-native model's checks: its "sparse" rows against its own "dense" rows (copy NLL
+    <= 1.2x, late-half perplexity <= 1.01x), as `goal_checks` makes them."""
+    return _checks(selection, copy, reference="dense", picked=lambda m: m == "sparse",
+                   copy_ratio=NATIVE_COPY_NLL_RATIO, recall=False)
+
+
+def _checks(selection, copy, *, reference: str, picked, copy_ratio: float, recall: bool) -> list[dict]:
     checks = []
     if copy is not None:
         rows = [r for r in copy["rows"] if r.get("suite") == "copy"]
@@ -68,23 +89,23 @@ def goal_checks(selection: dict | None = None, copy: dict | None = None, *, refe
             for length in sorted({r["length"] for r in rs}):
                 at = [r for r in rs if r["length"] == length]
                 ref = [r for r in at if r["mode"] == reference]
-                for mode in dict.fromkeys(r["mode"] for r in at if r["mode"].startswith("sparda")):
+                for mode in dict.fromkeys(r["mode"] for r in at if picked(r["mode"])):
                     mine, ref_ = _common([r for r in at if r["mode"] == mode], ref)
                     if not ref_:
                         continue
                     v, b = _pool_copy(mine), _pool_copy(ref_)
                     checks.append({"goal": "copy NLL", "split": split, "length": length, "mode": mode, "value": v,
-                                   "reference": b, "target": f"<= {COPY_NLL_RATIO:.2f} x {reference}",
-                                   "passed": v <= COPY_NLL_RATIO * b})
+                                   "reference": b, "target": f"<= {copy_ratio:.2f} x {reference}",
+                                   "passed": v <= copy_ratio * b})
     if selection is not None:
         rows = [r for r in selection["rows"] if "task" not in r and r.get("suite", "selection") == "selection"]
         for split, rs in _groups(rows).items():
             for length in sorted({r["length"] for r in rs} & set(RECALL_MIN)):
                 at = [r for r in rs if r["length"] == length]
                 ref = [r for r in at if r["mode"] == reference]
-                for mode in dict.fromkeys(r["mode"] for r in at if r["mode"].startswith("sparda")):
+                for mode in dict.fromkeys(r["mode"] for r in at if picked(r["mode"])):
                     mine = [r for r in at if r["mode"] == mode]
-                    if all("recall" in r for r in mine):
+                    if recall and all("recall" in r for r in mine):
                         v = _pool_recall(mine)
                         checks.append({"goal": "recall", "split": split, "length": length, "mode": mode, "value": v,
                                        "reference": None, "target": f">= {RECALL_MIN[length]:.2f}",
@@ -98,13 +119,14 @@ def goal_checks(selection: dict | None = None, copy: dict | None = None, *, refe
     return checks
 
 
-def goals_text(checks: list[dict], reference: str = "sparse") -> str:
-    """The checks as Markdown lines (PASS / FAIL with the numbers); a line saying none could be
-    made when there are none."""
+def goals_text(checks: list[dict], reference: str = "sparse", title: str = "Goals of the Forecast on held-out text"
+               ) -> str:
+    """The checks as Markdown lines (PASS / FAIL with the numbers) under `title`; a line saying
+    none could be made when there are none."""
     if not checks:
         return (f"Goals: none checkable here (they need sparda and {reference} rows: copy suite, or selection "
                 f"suite at 4096 / 8192 tokens).\n")
-    out = ["Goals of the Forecast on held-out text:", ""]
+    out = [f"{title}:", ""]
     for c in checks:
         ref = "" if c["reference"] is None else f" vs {reference} {c['reference']:.3f} (ratio {c['value'] / c['reference']:.3f})"
         out.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['goal']} {c['target']}: {c['mode']} "

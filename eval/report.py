@@ -2,7 +2,8 @@
 
     python -m sparda_jax.eval.report OUT.md FILE[=LABEL] ...
 
-LABEL replaces the mode names of a file's rows (for a file of one mode, e.g. an ablation).
+LABEL replaces the mode names of a file's rows (for a file of one mode, e.g. an ablation); "{mode}" in
+it stands for each row's own mode (e.g. "base model, {mode}" beside another model's rows).
 Rows of `--suite tasks` files are rendered by `eval.accuracy.tasks_markdown`, paired differences
 included: rows of different files (of one model) pair where they share (task, length, seed),
 which fixes the prompts. Rows of `--suite selection` files form a table per held-out split,
@@ -35,7 +36,7 @@ def merge(specs: list[str]) -> tuple[list[dict], list[dict]]:
         path, _, label = spec.partition("=")
         d = json.loads(Path(path).read_text())
         for r in d["rows"]:
-            r = dict(r, mode=label or r["mode"])
+            r = dict(r, mode=label.replace("{mode}", r["mode"]) if label else r["mode"])
             if "task" not in r:  # selection rows written before splits were recorded: the Python docs
                 r.setdefault("split", DEFAULT_SPLIT)
             rows.pop(_key(r), None)  # re-inserted last: the order is the last run's
@@ -70,11 +71,16 @@ def main(argv: list[str] | None = None) -> int:
 
         text += [copy_markdown({"rows": copy}), ""]
     if sel or copy:
-        from .goals import goal_checks, goals_text
+        from .goals import goal_checks, goals_text, native_goal_checks
 
-        checks = goal_checks({"rows": sel} if sel else None, {"rows": copy} if copy else None)
+        results = ({"rows": sel} if sel else None, {"rows": copy} if copy else None)
+        checks = goal_checks(*results)
         if checks:
             text += [goals_text(checks), ""]
+        native = native_goal_checks(*results)  # the model's own: sparse against its dense mode
+        if native:
+            title = "Sparse against the model's own dense mode (the goals of a sparse-native model)"
+            text += [goals_text(native, "dense", title), ""]
     tasks = [r for r in rows if "task" in r]
     if tasks:
         # imported here: it pulls in JAX, which the selection tables do not need

@@ -130,9 +130,9 @@ def _load_adapted(name: str, **load_kw) -> Pretrained:
     path = adapter_path(name)
     if not path.is_file():  # before the base model loads: the error costs nothing
         raise FileNotFoundError(
-            f"{name!r} needs its adapter {path}, which is not shipped yet. Train it with `sparda finetune "
-            f"--model {base} --data CORPUS_DIR --out RUN` (docs/finetune.md) and copy RUN/adapter.safetensors "
-            f"to that path; the base model alone is {base!r}")
+            f"{name!r} needs its adapter {path}, which is missing (the package ships it: reinstall, or train "
+            f"one with `sparda finetune --model {base} --data CORPUS_DIR --out RUN` (docs/finetune.md) and copy "
+            f"RUN/adapter.safetensors to that path); the base model alone is {base!r}")
     model = load_pretrained(base, **load_kw)
     adapter, lora = load_adapter(path, model.config)
     return Pretrained(model.config.replace(name=name), merge_adapter(model.params, adapter, lora), model.tokenizer,

@@ -20,7 +20,7 @@ from sparda_jax.cli import main
 from sparda_jax.config import get_preset
 from sparda_jax.eval import report
 from sparda_jax.eval.copy import CopySequence, copy_sequence, eval_copy, source_share
-from sparda_jax.eval.goals import goal_checks, goals_text
+from sparda_jax.eval.goals import goal_checks, goals_text, native_goal_checks
 from sparda_jax.eval.heldout import corpus_texts, python_docs_text
 from sparda_jax.text import corpus_split, haystack_from_tokens, haystack_tokens, python_docs_corpus
 
@@ -354,6 +354,23 @@ def test_goal_checks_thresholds_and_pooling():
     assert pooled["value"] == pytest.approx(1.15) and pooled["reference"] == pytest.approx(1.0)
 
 
+def test_native_goal_checks_compare_sparse_with_its_own_dense_mode():
+    sel = {"rows": [_sel_row("a", 4096, "dense", 1.0, 10.0), _sel_row("a", 4096, "sparse", 1.0, 10.1),
+                    _sel_row("a", 8192, "dense", 1.0, 10.0), _sel_row("a", 8192, "sparse", 1.0, 10.11),
+                    _sel_row("a", 4096, "sparda (trained)", 0.95, 99.0)]}
+    copy = {"rows": [{"suite": "copy", "split": "a", "length": 4096, "mode": m, "copy_nll": v, "copy_nll_per_sample": [v]}
+                     for m, v in (("dense", 0.5), ("sparse", 0.6), ("sparda (trained)", 9.0))]
+            + [{"suite": "copy", "split": "a", "length": 8192, "mode": m, "copy_nll": v, "copy_nll_per_sample": [v]}
+               for m, v in (("dense", 0.5), ("sparse", 0.61))]}
+    got = {(c["goal"], c["length"]): c for c in native_goal_checks(sel, copy)}
+    assert set(got) == {("copy NLL", 4096), ("copy NLL", 8192), ("late-half ppl", 4096), ("late-half ppl", 8192)}
+    assert got["copy NLL", 4096]["passed"] and not got["copy NLL", 8192]["passed"]  # 1.2 exactly; 1.22
+    assert got["late-half ppl", 4096]["passed"] and not got["late-half ppl", 8192]["passed"]  # 1.01; 1.011
+    assert all(c["mode"] == "sparse" and c["target"].endswith("x dense") for c in got.values())  # sparda: not its goal
+    assert "- FAIL copy NLL <= 1.20 x dense: sparse 0.610 vs dense 0.500" in goals_text(
+        native_goal_checks(None, copy), "dense", "Sparse against its own dense mode")
+
+
 def test_report_merges_old_and_split_selection_files_and_checks_the_goals(tmp_path):
     env = {"environment": {"commit": "abc", "device": "cpu"}, "command": "sparda eval"}
     old = dict(_sel_row("python-docs", 4096, "sparse", 1.0, 10.0))
@@ -374,3 +391,9 @@ def test_report_merges_old_and_split_selection_files_and_checks_the_goals(tmp_pa
     assert "- PASS recall >= 0.92: sparda (trained) 0.950; python-docs, 4096 tokens" in text
     assert "- FAIL late-half ppl <= 1.01 x sparse: sparda (trained) 10.200 vs sparse 10.000 (ratio 1.020)" in text
     assert "- FAIL copy NLL <= 1.15 x sparse: sparda (trained) 2.500 vs sparse 1.260 (ratio 1.984)" in text
+    # "{mode}" in a label keeps each row's mode: another model's rows beside, in no goal
+    base = tmp_path / "base.json"
+    base.write_text(json.dumps({"rows": [_sel_row("python-docs", 4096, "sparse", 1.0, 20.0)], **env}))
+    assert report.main([str(out), *map(str, files), f"{base}=base model, {{mode}}"]) == 0
+    text = out.read_text()
+    assert "| base model, sparse | 20.000 |" in text and "vs sparse 10.000" in text and "vs sparse 20" not in text

@@ -19,6 +19,16 @@ W=sparda_jax/weights
 mkdir -p "$SN" "$RUNS/eval"
 log() { echo "$(date +%T) $*" >> "$SN/log"; }
 
+# Each device call copies the local tree over the machine's, the package's weights included: a file
+# put there (or replaced) by the chain is gone or reverted after the next call. So the chain keeps
+# its adapter and Forecast under $SN and puts them in place again just before each command that
+# loads them (each reads them once, at its start).
+place() {
+  cp "$SN/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
+  [ -f "$SN/forecast.safetensors" ] && cp "$SN/forecast.safetensors" "$W/forecast-smollm2-135m-sparse.safetensors"
+  return 0
+}
+
 chain() {
   if [ -n "${ADAPTER:-}" ]; then
     cp "$ADAPTER" "$W/adapter-smollm2-135m-sparse.safetensors" || { log "no adapter $ADAPTER"; return 1; }
@@ -29,18 +39,21 @@ chain() {
       --objective distill --copy-weight "${FT_COPY:-0}" > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
     cp "$SN/ft/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
   fi
+  cp "$W/adapter-smollm2-135m-sparse.safetensors" "$SN/adapter.safetensors"
   log "adapter in place"
+  place
   EVAL_MODEL=smollm2-135m-sparse BASE_TAG=_sn BASE_MODES="dense sparse" EVAL_JOBS=2 \
     bash scripts/forecast_study.sh eval >> "$SN/log" 2>&1 &
   FRACTION=0.2 bash scripts/forecast_study.sh start sn_forecast "${SN_STEPS:-600}" >> "$SN/log"
   sleep 30
   WAIT_S=100000 bash scripts/forecast_study.sh wait sn_forecast >> "$SN/log"
-  cp "$RUNS/sn_forecast/forecast.safetensors" "$W/forecast-smollm2-135m-sparse.safetensors" \
-    || { log "no Forecast"; wait; return 1; }
+  cp "$RUNS/sn_forecast/forecast.safetensors" "$SN/forecast.safetensors" || { log "no Forecast"; wait; return 1; }
+  place
   for c in 4096 8128; do  # 8K: the prompt and 32 new tokens within the model's 8192
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 sparda demo --model smollm2-135m-sparse --dtype bfloat16 --context $c \
       --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
   done
+  place
   BASELINES=0 EVAL_JOBS=2 EVAL_MODEL=smollm2-135m-sparse bash scripts/forecast_study.sh eval sn_forecast >> "$SN/log" 2>&1
   wait
   log "chain done"
@@ -51,7 +64,7 @@ case "${1:-status}" in
     python3 -c "import gguf" || { echo "gguf is not importable: carry .whl"; exit 1; }
     [ -f "$DATA/manifest.json" ] || { echo "no corpus in $DATA: carry .data"; exit 1; }
     [ -n "${SPARDA_SMOLLM2_GGUF:-}" ] || { echo "no SmolLM2 GGUF: carry .model0 and .model1"; exit 1; }
-    export -f chain log; export DATA SN RUNS W
+    export -f chain log place; export DATA SN RUNS W
     setsid nohup bash -c chain >> "$SN/log" 2>&1 < /dev/null &
     echo "started; log $SN/log" ;;
   status)
@@ -63,8 +76,7 @@ case "${1:-status}" in
     tar czf "$dst/records.tgz" -C / --ignore-failed-read root/sn/log root/sn/ft.log root/sn/ft/metrics.jsonl \
       root/sn/ft/config.json $(cd / && ls root/sn/demo_* root/study/eval/*_sn_* root/study/eval/sn_forecast_* \
       root/study/sn_forecast/metrics.jsonl root/study/sn_forecast/config.json root/study/sn_forecast/metrics.png 2>/dev/null)
-    cp "$W/adapter-smollm2-135m-sparse.safetensors" "$dst/adapter.safetensors" 2>/dev/null
-    cp "$W/forecast-smollm2-135m-sparse.safetensors" "$dst/forecast.safetensors" 2>/dev/null
+    cp "$SN/adapter.safetensors" "$SN/forecast.safetensors" "$dst/" 2>/dev/null
     ls -la "$dst" ;;
   *) sed -n '1,16p' "$0"; exit 2 ;;
 esac

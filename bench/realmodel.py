@@ -3,7 +3,7 @@
 One row per (system, context, batch). The prompts are real text (`sparda_jax.text.haystack_tokens`
 on the model's own tokenizer, one seeded document order per batch row), the same tokens for every
 system; decoding is greedy with no stop token, so every row draws `new_tokens` tokens a sequence.
-Each cell runs `generate` twice on the same shapes:
+Each cell runs `generate` on the same shapes, cold then warm:
 
   cold   the first call: its prefill (compile included: cold_prefill_s), its first decode device
          call (the decode program's compile, the copy library's build on a CUDA GPU, and the call's
@@ -11,8 +11,9 @@ Each cell runs `generate` twice on the same shapes:
          of full size give the steady rate (`infer.timing.DecodeTiming`): steady_tokens_per_s =
          batch x steady_steps / steady_s. Its `return_stats` counters give the offload systems'
          miss_rate = copied_blocks / selected_blocks and bytes_copied_per_token (`BYTES_FORMULA`).
-  warm   a second call on the same prompts, stopped once the prompt's token is read: prefill_s,
-         the steady prefill (nothing left to compile).
+  warm   WARM_REPEATS more calls on the same prompts, each stopped once the prompt's token is read:
+         prefill_s, the steady prefill (nothing left to compile), is their median
+         (prefill_s_samples: each; one sample of a ~0.05 s prefill moved 2x between runs).
 
 Systems map to `generate`'s engine as `sparda generate --system` maps them (`api.system_kwargs`).
 A prompt plus its new tokens must fit the model's positions: where `context` (padded to a
@@ -31,6 +32,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.bench.engine_state import block_bytes
@@ -41,7 +43,7 @@ from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
 from sparda_jax.infer.timing import StepTimer
 from sparda_jax.text import haystack_tokens
 
-__all__ = ["SYSTEMS", "CONTEXTS", "BATCHES", "NEW_TOKENS", "MAX_STEPS_PER_CALL", "BYTES_FORMULA", "DEFAULT_OUT",
+__all__ = ["SYSTEMS", "CONTEXTS", "BATCHES", "NEW_TOKENS", "WARM_REPEATS", "MAX_STEPS_PER_CALL", "BYTES_FORMULA", "DEFAULT_OUT",
            "default_steps_per_call", "prompt_length", "check_inputs", "make_prompts", "bench_realmodel", "claims",
            "table", "plot", "cli_first_token", "main"]
 
@@ -50,6 +52,7 @@ SYSTEMS = ("dense_resident", "sparda", "sparse_resident", "sparse", "sparda_sync
 CONTEXTS = (4096, 8192)  # SmolLM2: 8192 is its whole context, so that prompt is shortened
 BATCHES = (1, 8)
 NEW_TOKENS = 64
+WARM_REPEATS = 3
 MAX_STEPS_PER_CALL = 8  # the decode claims' steps a program (docs/decisions.md, "n decode steps in one program")
 DEFAULT_OUT = "bench/results/realmodel/realmodel.json"
 BYTES_FORMULA = ("bytes_copied_per_token = copied_blocks x block_bytes / (decode steps x batch); block_bytes = "
@@ -146,13 +149,15 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     cold = timer.timing(steps_per_call=k, max_new_tokens=new_tokens)
     stamps = [round(s - timer.t0, 7) for s in timer.stamps]
     built = bool(_copy_libraries() - libs)
-    warm = StepTimer(then=_stop_at_first_token)
-    warm.start()
-    try:
-        generate(model.params, model.config, prompts, sampling, on_step=warm, **run)
-        raise AssertionError("the warm call was not stopped at its first token")
-    except _PrefillRead:
-        pass
+    warm_s = []
+    for _ in range(WARM_REPEATS):
+        warm = StepTimer(then=_stop_at_first_token)
+        warm.start()
+        try:
+            generate(model.params, model.config, prompts, sampling, on_step=warm, **run)
+            raise AssertionError("the warm call was not stopped at its first token")
+        except _PrefillRead:
+            warm_s.append(warm.stamps[0] - warm.t0)
     rate = cold.steady_tokens_per_s
     offload = system in OFFLOAD_MODES
     bb = block_bytes(model.config, model.dtype)
@@ -161,7 +166,8 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
         "steady_tokens_per_s": None if rate is None else rate * batch,
         "steady_steps": cold.steady_steps,
         "steady_s": cold.steady_s,
-        "prefill_s": warm.stamps[0] - warm.t0,
+        "prefill_s": float(np.median(warm_s)),
+        "prefill_s_samples": warm_s,
         "first_call_s": None if cold.first_decode_s is None else cold.prefill_s + cold.first_decode_s,
         "cold_prefill_s": cold.prefill_s,
         "first_decode_s": cold.first_decode_s,
@@ -185,7 +191,7 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     return r
 
 
-_FIELDS = ("steady_tokens_per_s", "steady_steps", "steady_s", "prefill_s", "first_call_s", "cold_prefill_s",
+_FIELDS = ("steady_tokens_per_s", "steady_steps", "steady_s", "prefill_s", "prefill_s_samples", "first_call_s", "cold_prefill_s",
            "first_decode_s", "first_call_steps", "total_s", "generated_tokens", "decode_steps", "stamps_s",
            "copied_blocks", "selected_blocks", "miss_rate", "block_bytes", "bytes_copied_per_token")
 
@@ -231,7 +237,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
          "definitions": {
              "steady_tokens_per_s": "tokens of all sequences per second over the full-size decode calls after the "
                                     "first (infer.timing.DecodeTiming): batch x steady_steps / steady_s",
-             "prefill_s": "a second generate on the same prompts, up to its first token read (nothing compiles)",
+             "prefill_s": f"the median of {WARM_REPEATS} more generates on the same prompts, each up to its first "
+                          "token read (nothing compiles); prefill_s_samples: each",
              "first_call_s": "cold_prefill_s + first_decode_s: the first generate's prefill and its first decode "
                              "call (compiles, the copy library's build, first_call_steps steps)",
              "stamps_s": "the first generate's token reads, seconds from its start ([0]: the prompt's token)",

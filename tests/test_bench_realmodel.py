@@ -9,6 +9,7 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from byte_tokenizer import ByteTokenizer
 
@@ -88,6 +89,7 @@ def test_steady_rate_leaves_the_first_call_out(grid):
         per_call = x["steady_s"] / (steady_steps // K)
         assert x["first_decode_s"] > per_call, x
         assert x["prefill_s"] < x["cold_prefill_s"], x
+        assert len(x["prefill_s_samples"]) == RM.WARM_REPEATS and x["prefill_s"] == np.median(x["prefill_s_samples"])
         # what a rate over every decode step would say: the first call inside makes it lower
         assert x["batch"] * (NEW - 1) / (st[-1] - st[0]) < x["steady_tokens_per_s"]
 

@@ -106,6 +106,8 @@ FILES = {
                                  "selectors too (uncommitted tree at cbdd6d3: the api.py gate opened)",
     "realmodel/first_token.json": "`sparda generate` in fresh processes, cold then warm, with the converted-weights "
                                   "cache: seconds to the first token (Dense+, SparDA)",
+    "realmodel/lowered_once.json": "the grid at 8ec65f6, one kernel module per op (`lowered_once`): 4K cells and "
+                                   "the CLI's first token; the 240 s budget skipped the 8K ones",
 }
 
 

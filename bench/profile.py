@@ -221,12 +221,13 @@ def _traced(call, steps: int, log_dir, keep_trace: bool) -> tuple:
     return result, summary
 
 
-def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", top: int = 6) -> list[str]:
-    """Text lines for the rows that carry a "profile": busy / span per step, idle share, streams
-    and the top kernels, in milliseconds per timed step (not scaled to the full model)."""
+def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", top: int = 6,
+                  key: str = "profile") -> list[str]:
+    """Text lines for the rows that carry a summary under `key`: busy / span per step, idle share,
+    streams and the top kernels, in milliseconds per timed step (not scaled to the full model)."""
     out = []
     for x in rows:
-        p = x.get("profile")
+        p = x.get(key)
         if not p or "span_s_per_step" not in p:
             continue
         out.append(f"profile {label(x)} ({p['source']}): span {p['span_s_per_step'] * 1e3:.3f} ms/step, busy "

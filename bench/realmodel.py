@@ -36,6 +36,7 @@ import numpy as np
 
 from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.bench.engine_state import block_bytes
+from sparda_jax.bench.profile import profile_lines
 from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, save_png, write_json
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import ENGINE_MODES, OFFLOAD_MODES, selector_of
@@ -136,8 +137,10 @@ def _copy_libraries() -> set[str]:
         "libsparda_gather_host_")}
 
 
-def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int, k: int) -> dict:
-    """One (system, prompts) cell: the timing and traffic fields of a row (see the module doc)."""
+def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int, k: int,
+          profile_prefill: bool = False) -> dict:
+    """One (system, prompts) cell: the timing and traffic fields of a row (see the module doc);
+    with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`)."""
     kw = system_kwargs(extra, system)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
     run = dict(dtype=model.dtype, steps_per_call=k, **kw)
@@ -149,15 +152,25 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     cold = timer.timing(steps_per_call=k, max_new_tokens=new_tokens)
     stamps = [round(s - timer.t0, 7) for s in timer.stamps]
     built = bool(_copy_libraries() - libs)
-    warm_s = []
-    for _ in range(WARM_REPEATS):
+
+    def prefill_only():
         warm = StepTimer(then=_stop_at_first_token)
         warm.start()
         try:
             generate(model.params, model.config, prompts, sampling, on_step=warm, **run)
             raise AssertionError("the warm call was not stopped at its first token")
         except _PrefillRead:
-            warm_s.append(warm.stamps[0] - warm.t0)
+            return warm.stamps[0] - warm.t0
+
+    warm_s = [prefill_only() for _ in range(WARM_REPEATS)]
+    profile = None
+    if profile_prefill:
+        import tempfile
+
+        from sparda_jax.bench.profile import profile_calls
+
+        with tempfile.TemporaryDirectory() as d:
+            profile = profile_calls(prefill_only, 1, Path(d) / "trace", keep_trace=False)
     rate = cold.steady_tokens_per_s
     offload = system in OFFLOAD_MODES
     bb = block_bytes(model.config, model.dtype)
@@ -183,6 +196,8 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
         "block_bytes": bb if offload else None,
         "bytes_copied_per_token": stats["copied_blocks"] * bb / tokens if offload and tokens else None,
     }
+    if profile is not None:
+        r["prefill_profile"] = profile
     if offload:
         from sparda_jax.kernels.kv_copy import resolve_implementation
 
@@ -208,13 +223,15 @@ def _compilation_cache() -> dict:
 def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, batches=BATCHES,
                     new_tokens: int = NEW_TOKENS, steps_per_call: int | None = None, seed: int = 0,
                     budget: Budget | None = None, out: str | Path | None = None, command: str | None = None,
-                    log=None, progress: bool = True) -> dict:
+                    log=None, progress: bool = True, profile_prefill: bool = False) -> dict:
     """Run every (context, batch, system) cell, in that nesting order, and return the result dict
     (written to `out` after each cell when given): environment, config, compilation_cache,
     copy_libraries_at_start, definitions, rows (one per cell: system, context, prompt_tokens,
     batch, new_tokens, steps_per_call, status "ok" | "error" | "skipped", error or reason, and
     the module doc's fields, None where not measured), claims (`claims`), complete.
-    steps_per_call None: `default_steps_per_call(new_tokens)`. Raises ValueError (`check_inputs`)
+    steps_per_call None: `default_steps_per_call(new_tokens)`. profile_prefill: each row's
+    "prefill_profile", the summary of one more warm prefill under the profiler (device busy time,
+    top kernels, host events: `bench.profile.summarize_trace`). Raises ValueError (`check_inputs`)
     before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm
 
@@ -269,13 +286,16 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                         else None
                 if len(prompts_by_len.get(n, ())) < b:
                     prompts_by_len[n] = make_prompts(model.tokenizer.encode, n, max(batches), seed)
-                row.update(_cell(model, prompts_by_len[n][:b], s, extra, new_tokens, k))
+                row.update(_cell(model, prompts_by_len[n][:b], s, extra, new_tokens, k, profile_prefill))
             except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
                 msg = str(e).splitlines()[0][:400] if str(e) else ""
                 row.update(status="error", error=f"{type(e).__name__}: {msg}")
             row["cell_s"] = time.perf_counter() - t0
         r["rows"].append(row)
         log(_row_line(row))
+        for line in profile_lines([row], label=lambda x: f"prefill {x['system']} T={x['context']} B={x['batch']}",
+                                  key="prefill_profile"):
+            log(line)
         if out is not None:
             write_json(r, out)
     r["claims"] = claims(r["rows"])
@@ -435,7 +455,7 @@ def main(args) -> int:
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype or "bfloat16"), progress=True)
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
                         steps_per_call=args.steps_per_call, budget=budget, out=out,
-                        command="sparda " + " ".join(sys.argv[1:]))
+                        command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill)
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])

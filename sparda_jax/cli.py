@@ -670,6 +670,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--model", default="smollm2-135m",
                     help="realmodel: smollm2-135m, a .gguf file or an HF checkpoint directory")
     bn.add_argument("--dtype", choices=_DTYPES, help="realmodel: compute dtype (default bfloat16)")
+    bn.add_argument("--profile-prefill", action="store_true",
+                    help="realmodel: trace one more steady prefill per cell; its summary (device busy time, top "
+                         "kernels, host events) goes into the row as prefill_profile")
     bn.add_argument("--first-token", nargs="+", metavar="SYSTEM",
                     help="realmodel: also time `sparda generate` for these systems in fresh processes, cold (an empty "
                          "compilation cache) then warm: process start to the first generated text")

@@ -327,10 +327,10 @@ def test_generate_clamps_the_budget_to_the_cache(monkeypatch):
     eng = EngineConfig("sparse")
     huge = generate(_tiny_params(), with_topk(100000), prompt, sampling, engine=eng)
     cache_blocks = -(-(64 + 8) // TINY.sparse.block_size)  # the prompt padded to 64, plus 8 new tokens
-    assert seen == [(cache_blocks, 72)]
+    assert seen == [(cache_blocks, cache_blocks * TINY.sparse.block_size)]  # the cache in whole blocks
     exact = generate(_tiny_params(), with_topk(cache_blocks), prompt, sampling, engine=eng)
     assert huge == exact and len(huge[0]) == 8
     # a budget below the cache's blocks is left alone
     seen.clear()
     generate(_tiny_params(), TINY, prompt, sampling, engine=eng)
-    assert seen == [(TINY.sparse.topk, 72)]
+    assert seen == [(TINY.sparse.topk, cache_blocks * TINY.sparse.block_size)]

@@ -94,6 +94,20 @@ def test_steady_rate_leaves_the_first_call_out(grid):
         assert x["batch"] * (NEW - 1) / (st[-1] - st[0]) < x["steady_tokens_per_s"]
 
 
+def test_prefill_profile_traces_one_more_warm_prefill(tiny, tmp_path):
+    """profile_prefill: each row carries the summary of one traced warm prefill (on the CPU the
+    host's XLA threads), and the traced call leaves the timed fields as they are measured."""
+    r = RM.bench_realmodel(tiny, systems=("dense_resident",), contexts=(CONTEXT,), batches=(1,), new_tokens=NEW,
+                           steps_per_call=K, command="test", progress=False, log=lambda s: None, profile_prefill=True)
+    (x,) = r["rows"]
+    p = x["prefill_profile"]
+    assert x["status"] == "ok" and p["steps"] == 1 and p["kernels_per_step"] >= 1, p
+    assert 0 < p["busy_s_per_step"] <= p["span_s_per_step"], p
+    assert len(x["prefill_s_samples"]) == RM.WARM_REPEATS
+    lines = RM.profile_lines([x], label=lambda y: "prefill", key="prefill_profile")
+    assert lines and lines[0].startswith("profile prefill")
+
+
 def test_miss_rate_and_bytes_against_an_independent_run(grid, tiny):
     """The same prompts through `generate` directly (the same programs, compiled already): the
     same counters; bytes per token = copied x (K and V x 16 tokens x head dim 16 x 4 bytes)
@@ -138,7 +152,7 @@ def test_bad_input_is_refused_before_any_work(tiny, monkeypatch, capsys):
 def test_every_cell_gets_a_row_failed_or_skipped(tiny, monkeypatch, tmp_path):
     """A failing cell is a row with its error and the run goes on; past the budget, cells are
     skipped rows."""
-    def cell(model, prompts, system, extra, new_tokens, k):
+    def cell(model, prompts, system, extra, new_tokens, k, profile_prefill=False):
         if system == "sparda":
             raise RuntimeError("no copy for you\nsecond line")
         return {"steady_tokens_per_s": 1.0, "prefill_s": 0.5}

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 
 __all__ = ["COPY_NLL_RATIO", "RECALL_MIN", "PPL_RATIO", "NATIVE_COPY_NLL_RATIO", "goal_checks", "native_goal_checks",
-           "goals_text"]
+           "goals_text", "goals_markdown"]
 
 COPY_NLL_RATIO = 1.15
 RECALL_MIN = {4096: 0.92, 8192: 0.88}
@@ -132,3 +132,16 @@ def goals_text(checks: list[dict], reference: str = "sparse", title: str = "Goal
         out.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['goal']} {c['target']}: {c['mode']} "
                    f"{c['value']:.3f}{ref}; {c['split']}, {c['length']} tokens")
     return "\n".join(out) + "\n"
+
+
+NATIVE_TITLE = "Sparse against the model's own dense mode (the goals of a sparse-native model)"
+
+
+def goals_markdown(selection: dict | None = None, copy: dict | None = None) -> str:
+    """Both sets of checks as `goals_text` writes them: the Forecast's (or the line saying none
+    could be made), then the sparse-native model's where dense and sparse rows allow them."""
+    checks, native = goal_checks(selection, copy), native_goal_checks(selection, copy)
+    parts = [goals_text(checks)] if checks or not native else []
+    if native:
+        parts.append(goals_text(native, "dense", NATIVE_TITLE))
+    return "\n".join(parts)

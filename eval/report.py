@@ -71,16 +71,11 @@ def main(argv: list[str] | None = None) -> int:
 
         text += [copy_markdown({"rows": copy}), ""]
     if sel or copy:
-        from .goals import goal_checks, goals_text, native_goal_checks
+        from .goals import goal_checks, goals_markdown, native_goal_checks
 
         results = ({"rows": sel} if sel else None, {"rows": copy} if copy else None)
-        checks = goal_checks(*results)
-        if checks:
-            text += [goals_text(checks), ""]
-        native = native_goal_checks(*results)  # the model's own: sparse against its dense mode
-        if native:
-            title = "Sparse against the model's own dense mode (the goals of a sparse-native model)"
-            text += [goals_text(native, "dense", title), ""]
+        if goal_checks(*results) or native_goal_checks(*results):
+            text += [goals_markdown(*results), ""]
     tasks = [r for r in rows if "task" in r]
     if tasks:
         # imported here: it pulls in JAX, which the selection tables do not need

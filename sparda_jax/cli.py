@@ -305,10 +305,10 @@ def _cmd_eval(args) -> int:
                              tasks=tuple(args.tasks or ("niah_single", "copy")), **common)
         table = budget_markdown(result)
         intro = f"Budget sweep at {result['length']} tokens.\n"
-    if goals is not None:  # the Forecast's accuracy goals, where the rows allow them
-        from .eval.goals import goal_checks, goals_text
+    if goals is not None:  # the accuracy goals (the Forecast's, a sparse-native model's), where the rows allow them
+        from .eval.goals import goals_markdown
 
-        goals = goals_text(goal_checks(**goals))
+        goals = goals_markdown(**goals)
     print(table)
     if goals:
         print(goals)

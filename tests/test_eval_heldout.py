@@ -20,7 +20,7 @@ from sparda_jax.cli import main
 from sparda_jax.config import get_preset
 from sparda_jax.eval import report
 from sparda_jax.eval.copy import CopySequence, copy_sequence, eval_copy, source_share
-from sparda_jax.eval.goals import goal_checks, goals_text, native_goal_checks
+from sparda_jax.eval.goals import goal_checks, goals_markdown, goals_text, native_goal_checks
 from sparda_jax.eval.heldout import corpus_texts, python_docs_text
 from sparda_jax.text import corpus_split, haystack_from_tokens, haystack_tokens, python_docs_corpus
 
@@ -367,6 +367,11 @@ def test_native_goal_checks_compare_sparse_with_its_own_dense_mode():
     assert got["copy NLL", 4096]["passed"] and not got["copy NLL", 8192]["passed"]  # 1.2 exactly; 1.22
     assert got["late-half ppl", 4096]["passed"] and not got["late-half ppl", 8192]["passed"]  # 1.01; 1.011
     assert all(c["mode"] == "sparse" and c["target"].endswith("x dense") for c in got.values())  # sparda: not its goal
+    both = goals_markdown(sel, copy)  # the Forecast's goals, then the model's own
+    assert both.index("Goals of the Forecast") < both.index("own dense mode") and "none checkable" not in both
+    no_sparda = {"rows": [r for r in copy["rows"] if r["mode"] != "sparda (trained)"]}
+    assert "Goals of the Forecast" not in goals_markdown(None, no_sparda) and "own dense mode" in goals_markdown(
+        None, no_sparda)
     assert "- FAIL copy NLL <= 1.20 x dense: sparse 0.610 vs dense 0.500" in goals_text(
         native_goal_checks(None, copy), "dense", "Sparse against its own dense mode")
 

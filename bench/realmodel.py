@@ -27,6 +27,7 @@ budget are recorded as skipped.
 from __future__ import annotations
 
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import numpy as np
 
 from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.bench.engine_state import block_bytes
-from sparda_jax.bench.profile import profile_lines
+from sparda_jax.bench.profile import profile_calls, profile_lines
 from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, save_png, write_json
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import ENGINE_MODES, OFFLOAD_MODES, selector_of
@@ -44,9 +45,9 @@ from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
 from sparda_jax.infer.timing import StepTimer
 from sparda_jax.text import haystack_tokens
 
-__all__ = ["SYSTEMS", "CONTEXTS", "BATCHES", "NEW_TOKENS", "WARM_REPEATS", "MAX_STEPS_PER_CALL", "BYTES_FORMULA", "DEFAULT_OUT",
-           "default_steps_per_call", "prompt_length", "check_inputs", "make_prompts", "bench_realmodel", "claims",
-           "table", "plot", "cli_first_token", "main"]
+__all__ = ["SYSTEMS", "CONTEXTS", "BATCHES", "NEW_TOKENS", "WARM_REPEATS", "MAX_STEPS_PER_CALL", "BYTES_FORMULA",
+           "DEFAULT_OUT", "default_steps_per_call", "prompt_length", "check_inputs", "make_prompts", "bench_realmodel",
+           "claims", "table", "plot", "cli_first_token", "main"]
 
 # every engine system, the claims' pair first: a budget that runs out skips the others
 SYSTEMS = ("dense_resident", "sparda", "sparse_resident", "sparse", "sparda_sync", "infinigen")
@@ -165,10 +166,6 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     warm_s = [prefill_only() for _ in range(WARM_REPEATS)]
     profile = None
     if profile_prefill:
-        import tempfile
-
-        from sparda_jax.bench.profile import profile_calls
-
         with tempfile.TemporaryDirectory() as d:
             profile = profile_calls(prefill_only, 1, Path(d) / "trace", keep_trace=False)
     rate = cold.steady_tokens_per_s
@@ -206,9 +203,9 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     return r
 
 
-_FIELDS = ("steady_tokens_per_s", "steady_steps", "steady_s", "prefill_s", "prefill_s_samples", "first_call_s", "cold_prefill_s",
-           "first_decode_s", "first_call_steps", "total_s", "generated_tokens", "decode_steps", "stamps_s",
-           "copied_blocks", "selected_blocks", "miss_rate", "block_bytes", "bytes_copied_per_token")
+_FIELDS = ("steady_tokens_per_s", "steady_steps", "steady_s", "prefill_s", "prefill_s_samples", "first_call_s",
+           "cold_prefill_s", "first_decode_s", "first_call_steps", "total_s", "generated_tokens", "decode_steps",
+           "stamps_s", "copied_blocks", "selected_blocks", "miss_rate", "block_bytes", "bytes_copied_per_token")
 
 
 def _compilation_cache() -> dict:

@@ -400,11 +400,13 @@ def plot(json_path) -> str | None:
 
 
 def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", "sparda"), dtype="bfloat16",
-                    new_tokens: int = 32, log=print) -> list[dict]:
+                    new_tokens: int = 32, implementation: tuple[str, ...] = (), log=print) -> list[dict]:
     """`sparda generate` as a user runs it, per system twice in fresh processes: "cold" with an
     empty compilation cache (and copy-library folder), then "warm" with the one the cold run
     filled. Per run: first_token_s (process start to the first generated text on stdout),
-    total_s (to the process's exit), the exit code and the timing line it printed."""
+    total_s (to the process's exit), the exit code, and the lines it printed: the model's load,
+    the timing and the first calls' split (trace, lower, compile, the rest). implementation:
+    `generate --implementation` values (OP=NAME) for every run, also in each row."""
     import os
     import subprocess
     import tempfile
@@ -416,22 +418,26 @@ def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", 
             for run in ("cold", "warm"):
                 cmd = [sys.executable, "-m", "sparda_jax.cli", "generate", "--model", model_name, "--dtype", dtype,
                        "--system", system, "--raw", "--temperature", "0", "--max-new-tokens", str(new_tokens),
-                       "--prompt", prompt]
+                       "--prompt", prompt] + (["--implementation", *implementation] if implementation else [])
                 t0 = time.perf_counter()
                 p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
                 first = p.stdout.read(1)
                 t_first = time.perf_counter() - t0
                 rest, err = p.communicate()
                 total = time.perf_counter() - t0
-                lines = [l for l in err.decode(errors="replace").splitlines() if l.startswith("[")]
-                row = {"system": system, "run": run, "first_token_s": round(t_first, 3) if first else None,
+                lines = err.decode(errors="replace").splitlines()
+                last = lambda keep: next((l for l in reversed(lines) if keep(l)), None)
+                row = {"system": system, "implementation": list(implementation), "run": run,
+                       "first_token_s": round(t_first, 3) if first else None,
                        "total_s": round(total, 3), "returncode": p.returncode,
-                       "timing_line": lines[-1] if lines else None}
+                       "load_line": last(lambda l: l.startswith("loaded ")),
+                       "timing_line": last(lambda l: l.startswith("[") and not l.startswith("[first calls")),
+                       "first_calls_line": last(lambda l: l.startswith("[first calls"))}
                 if p.returncode:
                     row["error"] = err.decode(errors="replace")[-600:]
                 rows.append(row)
-                log(f"[realmodel] sparda generate --system {system} ({run}): first token {row['first_token_s']} s, "
-                    f"exit {p.returncode} at {total:.1f} s")
+                log(f"[realmodel] sparda generate --system {system} {' '.join(implementation)} ({run}): first "
+                    f"token {row['first_token_s']} s, exit {p.returncode} at {total:.1f} s\n  {row['first_calls_line']}")
     return rows
 
 
@@ -456,8 +462,11 @@ def main(args) -> int:
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])
-        r["cli_first_token"] = {"prompt_chars": len(text), "context": contexts[0],
-                                "rows": cli_first_token(args.model, text, systems=tuple(args.first_token), dtype=
-                                                        args.dtype or "bfloat16")}
+        runs = lambda impl: cli_first_token(args.model, text, systems=tuple(args.first_token),
+                                            dtype=args.dtype or "bfloat16", implementation=impl)
+        rows = runs(())
+        if args.first_token_implementation:  # the same runs with these backends forced
+            rows += runs(tuple(f"{op}={name}" for op, name in args.first_token_implementation))
+        r["cli_first_token"] = {"prompt_chars": len(text), "context": contexts[0], "rows": rows}
         write_json(r, out)
     return plot_and_print(r, out, plot, table)

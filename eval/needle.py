@@ -40,6 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--depth", type=float, default=0.5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--modes", nargs="+", default=["sparse", "sparda"])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="compute dtype")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
 
@@ -48,7 +49,7 @@ def main(argv=None) -> int:
     from sparda_jax.infer.demo import make_case
     from sparda_jax.modes import forward
 
-    model = load_pretrained(a.model)
+    model = load_pretrained(a.model, dtype=getattr(jnp, a.dtype))
     c = model.config
     case = make_case(model, a.context, a.depth, a.seed)
     bs = c.sparse.block_size
@@ -67,7 +68,8 @@ def main(argv=None) -> int:
                      "layers_holding_it": int(np.sum(share > 0.5)), "oracle_layers_holding_it": int(np.sum(oracle > 0.5))})
         print(f"{mode}: layers whose question rows mostly hold the fact: {rows[-1]['layers_holding_it']} "
               f"(oracle {rows[-1]['oracle_layers_holding_it']}) of {c.num_layers}")
-    res = {"what": __doc__.split("\n\n")[0], "model": a.model, "context": len(case.prompt_ids), "depth": a.depth,
+    res = {"what": __doc__.split("\n\n")[0], "model": a.model, "dtype": a.dtype, "context": len(case.prompt_ids),
+           "depth": a.depth,
            "fact_blocks": blocks, "question_rows_from": question, "forecast_trained": extra["forecast_trained"],
            "rows": rows, "seconds": round(time.perf_counter() - t0, 1), "environment": environment(),
            "command": "python -m sparda_jax.eval.needle " + " ".join(sys.argv[1:] if argv is None else argv)}

@@ -31,6 +31,7 @@
 #   cont8k2     the same again from the Forecast that cont8k made the shipped one (seed 3)
 #   sn_forecast the Forecast of the sparse-native SmolLM2 (needs its adapter in sparda_jax/weights/),
 #               started from the shipped Forecast
+#   sn_cont     that model's shipped Forecast trained on (seed 1); sn_cont8k the same on 8K windows (seed 2)
 set -u
 DATA=${DATA:-/root/data}
 RUNS=${RUNS:-/root/study}
@@ -56,6 +57,8 @@ flags() {
     cont)     echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
     cont8k)   echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 2 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     cont8k2)  echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 3 --seq-len 8192 --batch 4 --micro-batch 4" ;;
+    sn_cont)  echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
+    sn_cont8k) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 2 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     sn_forecast) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast sparda_jax/weights/forecast-smollm2-135m.safetensors" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac

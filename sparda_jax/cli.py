@@ -49,6 +49,18 @@ def _positive_int(s: str) -> int:
     return n
 
 
+def _implementation(s: str) -> tuple[str, str]:
+    """'OP=NAME' (a field of `Implementations` and one of its backends) -> (OP, NAME)."""
+    from .config import IMPLEMENTATION_NAMES
+
+    op, _, name = s.partition("=")
+    if op not in IMPLEMENTATION_NAMES:
+        raise argparse.ArgumentTypeError(f"{s!r}: OP=NAME with OP one of {', '.join(IMPLEMENTATION_NAMES)}")
+    if name not in IMPLEMENTATION_NAMES[op]:
+        raise argparse.ArgumentTypeError(f"{s!r}: {op}'s backends are {', '.join(IMPLEMENTATION_NAMES[op])}")
+    return op, name
+
+
 def _nonnegative_int(s: str) -> int:
     try:
         n = int(s)
@@ -146,24 +158,32 @@ def _cmd_generate(args) -> int:
 
     extra = prepare_modes(model, [selector_of(args.system)], seed=args.seed)
     kw = system_kwargs(extra, args.system)
-    from .infer.timing import StepTimer
+    if args.implementation:
+        import dataclasses
+
+        from .config import Implementations
+
+        kw["engine"] = dataclasses.replace(kw["engine"], implementations=Implementations(**dict(args.implementation)))
+    from .infer.timing import CompileClock, StepTimer
 
     timer = StepTimer(then=stream)
     run = lambda: generate(model.params, model.config, [ids], sampling, stop_ids=tok.eos_ids,
                            dtype=model.dtype, on_step=timer, steps_per_call=args.steps_per_call, **kw)
-    timer.start()
-    if args.trace:
-        from .bench.profile import trace_once
+    with CompileClock() as compiles:
+        timer.start()
+        if args.trace:
+            from .bench.profile import trace_once
 
-        out, summary = trace_once(run, args.trace)
-    else:
-        out = run()
-    timing = timer.timing(steps_per_call=args.steps_per_call, max_new_tokens=args.max_new_tokens)
+            out, summary = trace_once(run, args.trace)
+        else:
+            out = run()
+        timing = timer.timing(steps_per_call=args.steps_per_call, max_new_tokens=args.max_new_tokens)
     tail = tok.decode(out[0])[printed:]
     sys.stdout.write(tail + "\n")
     # the first decode call (compile, the copy library's build) apart from the steady state
     print(f"[{len(ids)} prompt tokens, {len(out[0])} new tokens in {timing.total_s:.1f} s: {timing.summary()}]",
           file=sys.stderr)
+    print(f"[{timer.first_calls(compiles, timing)}]", file=sys.stderr)
     if args.trace:
         _print_trace_summary(summary)
     return 0
@@ -527,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--steps-per-call", type=int, default=1,
                    help="tokens drawn per device program (sampling on the device, streamed after each call): "
                         "on a GPU at full depth, one program per step is bound by the host")
+    g.add_argument("--implementation", type=_implementation, nargs="+", default=[], metavar="OP=NAME",
+                   help="force an op's backend (`sparda_jax.Implementations`), e.g. sparse_attention=xla "
+                        "select=xla; default: each op picks its kernel where one applies")
     g.add_argument("--trace", metavar="FILE.trace.json.gz",
                    help="profile the whole generate call (prefill, first decode call, the rest) into this "
                         "Chrome trace (ui.perfetto.dev) and print where the time went")
@@ -673,6 +696,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--profile-prefill", action="store_true",
                     help="realmodel: trace one more steady prefill per cell; its summary (device busy time, top "
                          "kernels, host events) goes into the row as prefill_profile")
+    bn.add_argument("--first-token-implementation", type=_implementation, nargs="+", metavar="OP=NAME",
+                    help="realmodel, with --first-token: run those systems again with these backends forced "
+                         "(generate --implementation), e.g. sparse_attention=xla select=xla")
     bn.add_argument("--first-token", nargs="+", metavar="SYSTEM",
                     help="realmodel: also time `sparda generate` for these systems in fresh processes, cold (an empty "
                          "compilation cache) then warm: process start to the first generated text")

@@ -240,9 +240,15 @@ def param_count(tree) -> int:
 
 def per_layer(tree):
     """A pytree stacked along a leading layer axis -> a tuple of per-layer pytrees. None and a
-    tuple (already per layer) come back as they are."""
+    tuple (already per layer) come back as they are. One program: eager, every slice would be a
+    program of its own, traced and looked up in the compilation cache in every process."""
     if tree is None or isinstance(tree, tuple):
         return tree
+    return _per_layer(tree)
+
+
+@jax.jit
+def _per_layer(tree):
     n = int(jax.tree.leaves(tree)[0].shape[0])
     return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n))
 

@@ -188,7 +188,10 @@ def stacked_state(layers: tuple[DecodeState, ...]) -> DecodeState:
     return stacked(layers)
 
 
+@functools.partial(jax.jit, static_argnames=("config", "cache_size", "sparse_state"))
 def _build_state(config: ModelConfig, aux, lengths, cache_size: int, infinigen, sparse_state: bool) -> DecodeState:
+    """The decode state from the prefill's K/V (one program: op by op, each pad and compression
+    step would be traced and looked up in the compilation cache in every process)."""
     sp = config.sparse
     t = aux["k"].shape[2]
     pad = ((0, 0), (0, 0), (0, cache_size - t), (0, 0), (0, 0))

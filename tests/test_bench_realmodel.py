@@ -5,6 +5,7 @@ fields, a steady rate that leaves the first decode call out, miss rates equal to
 from __future__ import annotations
 
 import json
+import types
 import logging
 
 import jax
@@ -224,3 +225,35 @@ def test_the_results_index_shows_the_run_once_committed(grid, tmp_path, monkeypa
         assert (f"| {CONTEXT} | {x['batch']} | {index.LABELS[x['system']]} | {x['steady_tokens_per_s']:.1f} | "
                 f"{x['prefill_s']:.3f} |") in page
     assert f"({r['environment']['commit'][:7]}, {r['environment']['device']})" in page
+
+
+def test_cli_first_token_runs_generate_cold_then_warm_and_keeps_its_lines(monkeypatch):
+    """Each system runs twice in a fresh process sharing one new cache folder; the row keeps the
+    load, timing and first-calls lines apart, and the forced backends reach the command line."""
+    import subprocess
+
+    calls = []
+
+    class FakeProc:
+        def __init__(self, cmd, stdout, stderr, env):
+            calls.append((cmd, env["SPARDA_JAX_CACHE_DIR"]))
+            self.returncode = 0
+            self.stdout = types.SimpleNamespace(read=lambda n: b"T")
+
+        def communicate(self):
+            err = ("loading...\nloaded smollm2-135m in 1.0 s\n[40 prompt tokens, 4 new tokens in 2.0 s: prefill 1.00 s, "
+                   "first step 0.50 s, steady -]\n[first calls: prefill 1.00 s = trace 0.10 + lower 0.10 + compile "
+                   "0.10 + the rest 0.70]\n")
+            return b"he rest", err.encode()
+
+    monkeypatch.setattr(subprocess, "Popen", FakeProc)
+    rows = RM.cli_first_token("smollm2-135m", "hello", systems=("dense_resident", "sparda"),
+                              implementation=("select=xla",), log=lambda s: None)
+    assert [(r["system"], r["run"]) for r in rows] == [("dense_resident", "cold"), ("dense_resident", "warm"),
+                                                       ("sparda", "cold"), ("sparda", "warm")]
+    assert calls[0][1] == calls[1][1] != calls[2][1] == calls[3][1]  # a new cache per system, shared by its 2 runs
+    assert all(c[-2:] == ["--implementation", "select=xla"] for c, _ in calls)
+    r = rows[0]
+    assert r["implementation"] == ["select=xla"] and r["returncode"] == 0 and r["first_token_s"] is not None
+    assert r["load_line"] == "loaded smollm2-135m in 1.0 s"
+    assert r["timing_line"].startswith("[40 prompt tokens") and r["first_calls_line"].startswith("[first calls:")

@@ -123,18 +123,55 @@ def test_generate_command_prints_the_first_call_apart(monkeypatch, capsys):
 
     def fake_generate(params, config, prompts, sampling, *, on_step, **kw):
         out = [[]]
-        now[0] += 3.0  # prefill
+        # the prefill: 3 s, of which JAX reports 0.5 s tracing, 0.25 lowering, 1 s compiling
+        for event, s in (("jaxpr_trace_duration", 0.5), ("jaxpr_to_mlir_module_duration", 0.25),
+                         ("backend_compile_duration", 1.0)):
+            now[0] += s
+            jax.monitoring.record_event_duration_secs(f"/jax/core/compile/{event}", s)
+        now[0] += 1.25
         for i in range(sampling.max_new_tokens):
-            now[0] += 60.0 if i == 1 else 0.25 if i > 1 else 0.0
+            if i == 1:  # the first decode step: 60 s, its program loaded from the persistent cache in 2
+                now[0] += 2.0
+                jax.monitoring.record_event_duration_secs("/jax/core/compile/backend_compile_duration", 2.0)
+                jax.monitoring.record_event("/jax/compilation_cache/cache_hits")
+                now[0] += 58.0
+            now[0] += 0.25 if i > 1 else 0.0
             out[0].append(i)
             on_step(out)
         return out
 
     _stub_cli_generate(monkeypatch, Tok(), fake_generate)
     assert cli.main(["--no-compile-cache", "generate", "--prompt", "hello", "--max-new-tokens", "10"]) == 0
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err == ("[5 prompt tokens, 10 new tokens in 65.0 s: prefill 3.00 s, first step 60.00 s, "
-                   "steady 4.0 tok/s over 8 steps]")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-2] == ("[5 prompt tokens, 10 new tokens in 65.0 s: prefill 3.00 s, first step 60.00 s, "
+                       "steady 4.0 tok/s over 8 steps]")
+    assert err[-1] == ("[first calls: prefill 3.00 s = trace 0.50 + lower 0.25 + compile 1.00 + the rest 1.25; "
+                       "first step 60.00 s = trace 0.00 + lower 0.00 + compile 2.00 (1 cached) + the rest 58.00]")
+
+
+def test_compile_clock_sees_a_new_programs_trace_lower_and_compile_once():
+    """A real jit on this machine: its first call traces, lowers and compiles (each > 0 s, in the
+    window), its second call none of them; outside the window nothing is counted."""
+    import time
+
+    import jax.numpy as jnp
+
+    from sparda_jax.infer.timing import CompileClock
+
+    f = jax.jit(lambda x: jnp.tanh(x) * 3.0 + x.sum())  # a new function: not in any cache of this process
+    x = jnp.arange(7.0)
+    with CompileClock() as clock:
+        a = time.perf_counter()
+        f(x).block_until_ready()
+        b = time.perf_counter()
+        f(x).block_until_ready()
+        c = time.perf_counter()
+    first, second = clock.between(a, b), clock.between(b, c)
+    assert first["trace"] > 0 and first["lower"] > 0 and first["compile"] > 0
+    assert second == {"trace": 0.0, "lower": 0.0, "compile": 0.0, "cache_hits": 0}
+    n = len(clock.events)
+    jax.jit(lambda x: x - 1)(x)  # after the window: not recorded
+    assert len(clock.events) == n
 
 
 def test_generate_trace_writes_a_chrome_trace_and_a_summary(monkeypatch, capsys, tmp_path):
@@ -199,3 +236,35 @@ def test_the_decode_program_compiles_once(system, caplog):
     assert len(out[0]) == 5
     compiles = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"Compiling jit({program})")]
     assert len(compiles) == 1, [c[:200] for c in compiles]
+
+
+def test_generate_implementation_flag_reaches_the_engine(monkeypatch, capsys):
+    """`--implementation OP=NAME` sets that op's backend in the engine `generate` gets; an unknown
+    op or backend is a usage error naming the choices."""
+    import sparda_jax.cli as cli
+    from sparda_jax.config import Implementations
+
+    seen = {}
+
+    class Tok:
+        eos_ids = (0,)
+        chat_prompt = staticmethod(lambda t: t)
+        encode = staticmethod(lambda t: [1, 2])
+        decode = staticmethod(lambda ids: "x" * len(ids))
+
+    def fake_generate(params, config, prompts, sampling, *, on_step, engine=None, **kw):
+        seen["engine"] = engine
+        out = [[5]]
+        on_step(out)
+        return out
+
+    _stub_cli_generate(monkeypatch, Tok(), fake_generate)
+    argv = ["--no-compile-cache", "generate", "--prompt", "hi", "--max-new-tokens", "1", "--system", "sparda"]
+    assert cli.main(argv + ["--implementation", "sparse_attention=xla", "select=xla"]) == 0
+    assert seen["engine"].mode == "sparda"
+    assert seen["engine"].implementations == Implementations(sparse_attention="xla", select="xla")
+    assert cli.main(argv) == 0 and seen["engine"].implementations == Implementations()
+    for bad, says in (("attention=xla", "OP one of dense_attention"), ("select=cuda", "select's backends are")):
+        with pytest.raises(SystemExit):
+            cli.main(argv + ["--implementation", bad])
+        assert says in capsys.readouterr().err

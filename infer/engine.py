@@ -152,31 +152,34 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     n_slots = config.sparse.topk if engine.n_slots is None else engine.n_slots
     if n_slots < config.sparse.topk:
         raise ConfigError(f"EngineConfig.n_slots: {n_slots} is below the block budget topk ({config.sparse.topk})")
-    l0, blocks, keys = _offload_layout(st, bs=bs, has_cis=config.has_cis)
+    # the empty block caches of layers 1..L-1, stacked, made outside the layout program and split
+    # inside it: a program's identical outputs (zeros made inside) may share one buffer on the GPU,
+    # and the CUDA copy writes each layer's cache in place; slices of an argument never do
+    ln, b, _, kh, dh = st.kv.k.shape
+    payloads = {"k": (dh, st.kv.k.dtype), "v": (dh, st.kv.v.dtype)}
+    if config.has_cis:
+        payloads["cis"] = (1, st.cis.dtype)
+    empty = {n: jnp.zeros((ln - 1, b, kh, n_slots, bs, x), dt) for n, (x, dt) in payloads.items()}
+    l0, blocks, offloaded = _offload_layout(st, empty, jnp.full((ln - 1, b, kh, n_slots), -1, jnp.int32), bs=bs)
     host = {n: host_pool(a) for n, a in blocks.items()}
-    b, kh = tokens.shape[0], config.num_kv_heads
-    # the empty block caches made one by one, outside any jit: a program's identical outputs may
-    # share one buffer, and the CUDA copy writes each layer's cache in place
-    offloaded = tuple(
-        OffloadLayer({n: jnp.zeros((b, kh, n_slots, bs, a.shape[-1]), a.dtype) for n, a in blocks.items()},
-                     jnp.full((b, kh, n_slots), -1, jnp.int32), *k)
-        for k in keys)
     return last, commit_to_params_device(OffloadState(l0, host, offloaded), params)
 
 
-@functools.partial(jax.jit, static_argnames=("bs", "has_cis"))
-def _offload_layout(st, *, bs: int, has_cis: bool):
+@functools.partial(jax.jit, static_argnames=("bs",))
+def _offload_layout(st, empty: dict, tables, *, bs: int):
     """The prefill's stacked state laid out for the engine, as one program: layer 0's state,
-    layers 1..L-1's payloads in blocks (for the host pools) and their (compressed keys, NOSA's
-    compressed cis, InfiniGen's partial keys). One program, not an op at a time: each eager
-    slice would be a program of its own, traced and looked up in the compilation cache in every
-    process (tens of them: a second of a warm `generate`'s prefill)."""
+    layers 1..L-1's payloads in blocks (for the host pools), and per layer 1..L-1 an
+    `OffloadLayer` of its slice of `empty` / `tables` and its compressed keys. One program, not an
+    op at a time: each eager slice would be a program of its own, traced and looked up in the
+    compilation cache in every process (a second of a warm `generate`'s prefill on the GPU)."""
     full = {"k": st.kv.k, "v": st.kv.v}
-    if has_cis:
+    if "cis" in empty:
         full["cis"] = st.cis[..., None]  # a trailing unit axis: every payload is [..., tokens, K, X]
     blocks = {n: _to_blocks(a[1:], bs) for n, a in full.items()}
     layers = per_layer(st)
-    return layers[0], blocks, tuple((ly.ckeys, ly.ccis, ly.pk) for ly in layers[1:])
+    offloaded = tuple(OffloadLayer({n: e[i] for n, e in empty.items()}, tables[i], ly.ckeys, ly.ccis, ly.pk)
+                      for i, ly in enumerate(layers[1:]))
+    return layers[0], blocks, offloaded
 
 
 @dataclasses.dataclass(frozen=True)

@@ -127,11 +127,25 @@ def _load(args):
     return model
 
 
+def _prebuild_copy_library(systems, kv_copy: str | None = None) -> None:
+    """Where an offload system will use the CUDA copy (a CUDA GPU, kv_copy not forced elsewhere),
+    its library's first build (nvcc, seconds) starts now, beside the model's load and compiles."""
+    import jax
+
+    from .infer.engine import RESIDENT_MODES
+
+    if kv_copy in (None, "cuda") and any(s not in RESIDENT_MODES for s in systems) and jax.default_backend() == "gpu":
+        from .kernels.kv_copy.cuda import build_in_background
+
+        build_in_background()
+
+
 def _cmd_generate(args) -> int:
     from .infer.generate import SamplingConfig, generate
 
     if args.trace:
         _check_output(args.trace)
+    _prebuild_copy_library([args.system], dict(args.implementation).get("kv_copy"))
     model = _load(args)
     tok = model.tokenizer
     if tok is None:
@@ -210,6 +224,7 @@ def _cmd_demo(args) -> int:
 
     if args.json:
         _check_output(args.json)
+    _prebuild_copy_library(args.systems)
     model = _load(args)
     results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
                             systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))

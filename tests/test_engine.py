@@ -449,3 +449,18 @@ def _positions_witness(params, tokens, lengths, forecast):
     finally:
         engine._own_buffer = own
         engine._engine_decode.clear_cache()  # later calls trace the real step again
+
+
+@pytest.mark.parametrize("mode", ["sparda", "infinigen"])
+def test_prefill_gives_every_offloaded_layer_buffers_of_its_own(setup, mode):
+    """The CUDA copy writes each layer's block cache and slot table in place, so no two of them
+    may share a device buffer (on the GPU a program's identical zero outputs did: layer caches
+    made inside one jit). Every array of the state is a buffer of its own."""
+    params, forecast, ig = setup
+    prompt = jax.random.randint(jax.random.key(1), (2, 70), 0, TINY.vocab_size)
+    _, st = engine_prefill(params, prompt, jnp.array([70, 59]), TINY, engine_config(mode), cache_size=140,
+                           forecast=forecast, infinigen=ig)
+    arrays = [a for a in jax.tree.leaves(st) if isinstance(a, jax.Array) and a.size]
+    pointers = [a.unsafe_buffer_pointer() for a in arrays]
+    assert len(st.layers) == TINY.num_layers - 1 and len(arrays) > 3 * len(st.layers)
+    assert len(set(pointers)) == len(pointers)

@@ -20,6 +20,7 @@ import hashlib
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import jax
@@ -30,7 +31,7 @@ from sparda_jax.config import ConfigError, check_int
 
 from .reference import block_bytes
 
-__all__ = ["KVCopyConfig", "FFI_IMPLEMENTATIONS", "TARGETS", "nvcc_path", "build_library", "build_host_library", "library_cache_dir",
+__all__ = ["KVCopyConfig", "FFI_IMPLEMENTATIONS", "TARGETS", "nvcc_path", "build_library", "build_in_background", "build_host_library", "library_cache_dir",
            "on_cuda", "memory_type", "MEMORY_TYPES", "unaliased", "host_copies_in_flight",
            "reset_host_copies_in_flight"]
 
@@ -88,9 +89,17 @@ def library_cache_dir(cache_dir: str | Path | None = None) -> Path:
     return Path(cache_dir) if cache_dir else default_cache_dir()
 
 
+_BUILD_LOCK = threading.Lock()  # one build at a time: a second caller waits, then finds the file
+
+
 def _compile(compiler: str, flags, source: Path, name: str, cache_dir, force: bool) -> Path:
     """source -> a shared library in the cache, keyed by source, the headers beside it, flags and
     the FFI headers' location."""
+    with _BUILD_LOCK:
+        return _compile_locked(compiler, flags, source, name, cache_dir, force)
+
+
+def _compile_locked(compiler: str, flags, source: Path, name: str, cache_dir, force: bool) -> Path:
     include = jax.ffi.include_dir()
     local = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(source.read_bytes() + local + " ".join(flags).encode() + include.encode()).hexdigest()[:16]
@@ -116,6 +125,25 @@ def build_library(cache_dir: str | Path | None = None, *, force: bool = False) -
         raise RuntimeError("nvcc not found (set NVCC or CUDA_HOME); the CUDA KV copy needs it, "
                            "implementation='xla' does not")
     return _compile(nvcc, NVCC_FLAGS, SOURCE, "libsparda_gather", cache_dir, force)
+
+
+def build_in_background() -> threading.Thread | None:
+    """Start `build_library` on a daemon thread, so that a cold first run's nvcc (seconds) overlaps
+    the model's load and the first compiles; the first use of the CUDA copy waits for it (the
+    build lock). None, and nothing started, without nvcc. A failed build is left for the first
+    use to raise."""
+    if nvcc_path() is None:
+        return None
+
+    def build():
+        try:
+            build_library()
+        except RuntimeError:
+            pass  # raised again, with nvcc's output, where the library is needed
+
+    t = threading.Thread(target=build, name="sparda-copy-library-build", daemon=True)
+    t.start()
+    return t
 
 
 def build_host_library(cache_dir: str | Path | None = None, *, force: bool = False) -> Path:

@@ -108,6 +108,11 @@ FILES = {
                                   "cache: seconds to the first token (Dense+, SparDA)",
     "realmodel/lowered_once.json": "the grid at 8ec65f6, one kernel module per op (`lowered_once`): 4K cells and "
                                    "the CLI's first token; the 240 s budget skipped the 8K ones",
+    "realmodel/first_calls_xla.json": "de3f3ba: 4K batch 1, and `sparda generate` cold / warm with each first call "
+                                      "split (trace, lower, compile, the rest), again with the kernels forced to XLA",
+    "realmodel/first_calls.json": "1f8415d (the offload state laid out in one program, the copy library built on a "
+                                  "thread): 4K batch 1 and `sparda generate` cold / warm",
+    "realmodel/grid.json": "1f8415d: 8K batch 1 and 8, 4K batch 1 (the 220 s budget skipped 4K batch 8)",
 }
 
 
@@ -305,7 +310,8 @@ def render() -> str:
     for section in (_decode_section, _prefill_section, _cta_section, _select_section, _train_section,
                     _realmodel_section, lambda: _realmodel_section("realmodel/prefill_d64.json"),
                     lambda: _realmodel_section("realmodel/select_d64.json"),
-                    lambda: _realmodel_section("realmodel/lowered_once.json")):
+                    lambda: _realmodel_section("realmodel/lowered_once.json"),
+                    lambda: _realmodel_section("realmodel/grid.json")):
         part = section()
         lines += part + [""] if part else []
     lines += _claims_section() + [""] + _folders_section()

@@ -273,7 +273,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
             row["note"] = (f"prompt shortened to {n} tokens: {n} + {new_tokens} new tokens fit {c.name}'s "
                            f"{c.max_position_embeddings} positions")
         if budget.exceeded():
-            row.update(status="skipped", error=budget.reason())
+            row.update(status="skipped", error=budget.reason().removeprefix("skipped: "))
         else:
             t0 = time.perf_counter()
             try:

@@ -109,9 +109,11 @@ FILES = {
     "realmodel/lowered_once.json": "the grid at 8ec65f6, one kernel module per op (`lowered_once`): 4K cells and "
                                    "the CLI's first token; the 240 s budget skipped the 8K ones",
     "realmodel/first_calls_xla.json": "de3f3ba: 4K batch 1, and `sparda generate` cold / warm with each first call "
-                                      "split (trace, lower, compile, the rest), again with the kernels forced to XLA",
+                                      "split (trace, lower, compile, the rest), again with the kernels forced to XLA; "
+                                      "SparDA with an untrained Forecast (its miss rate is not the shipped one's)",
     "realmodel/first_calls.json": "1f8415d (the offload state laid out in one program, the copy library built on a "
-                                  "thread): 4K batch 1 and `sparda generate` cold / warm",
+                                  "thread): 4K batch 1 and `sparda generate` cold / warm; SparDA with an untrained "
+                                  "Forecast",
     "realmodel/grid.json": "1f8415d: 8K batch 1 and 8, 4K batch 1 (the 220 s budget skipped 4K batch 8)",
 }
 

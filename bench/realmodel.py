@@ -436,7 +436,8 @@ def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", 
                 if p.returncode:
                     row["error"] = err.decode(errors="replace")[-600:]
                 rows.append(row)
-                log(f"[realmodel] sparda generate --system {system} {' '.join(implementation)} ({run}): first "
+                forced = "".join(f" {x}" for x in implementation)
+                log(f"[realmodel] sparda generate --system {system}{forced} ({run}): first "
                     f"token {row['first_token_s']} s, exit {p.returncode} at {total:.1f} s\n  {row['first_calls_line']}")
     return rows
 
@@ -454,6 +455,8 @@ def main(args) -> int:
     if args.first_token:
         check_inputs(None, systems=tuple(args.first_token), contexts=contexts, batches=batches,
                      new_tokens=args.new_tokens, steps_per_call=args.steps_per_call)
+    elif getattr(args, "first_token_implementation", None):
+        raise ValueError("--first-token-implementation reruns the --first-token systems: give --first-token too")
     out = args.out or DEFAULT_OUT
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype or "bfloat16"), progress=True)
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,

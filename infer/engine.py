@@ -155,12 +155,13 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     # the empty block caches of layers 1..L-1, stacked, made outside the layout program and split
     # inside it: a program's identical outputs (zeros made inside) may share one buffer on the GPU,
     # and the CUDA copy writes each layer's cache in place; slices of an argument never do
-    ln, b, _, kh, dh = st.kv.k.shape
-    payloads = {"k": (dh, st.kv.k.dtype), "v": (dh, st.kv.v.dtype)}
+    ln, b, _, kh, _ = st.kv.k.shape
+    payloads = {"k": (st.kv.k.shape[-1], st.kv.k.dtype), "v": (st.kv.v.shape[-1], st.kv.v.dtype)}
     if config.has_cis:
         payloads["cis"] = (1, st.cis.dtype)
     empty = {n: jnp.zeros((ln - 1, b, kh, n_slots, bs, x), dt) for n, (x, dt) in payloads.items()}
     l0, blocks, offloaded = _offload_layout(st, empty, jnp.full((ln - 1, b, kh, n_slots), -1, jnp.int32), bs=bs)
+    del empty  # its slices are the caches now
     host = {n: host_pool(a) for n, a in blocks.items()}
     return last, commit_to_params_device(OffloadState(l0, host, offloaded), params)
 
@@ -171,7 +172,7 @@ def _offload_layout(st, empty: dict, tables, *, bs: int):
     layers 1..L-1's payloads in blocks (for the host pools), and per layer 1..L-1 an
     `OffloadLayer` of its slice of `empty` / `tables` and its compressed keys. One program, not an
     op at a time: each eager slice would be a program of its own, traced and looked up in the
-    compilation cache in every process (a second of a warm `generate`'s prefill on the GPU)."""
+    compilation cache in every process."""
     full = {"k": st.kv.k, "v": st.kv.v}
     if "cis" in empty:
         full["cis"] = st.cis[..., None]  # a trailing unit axis: every payload is [..., tokens, K, X]

@@ -82,8 +82,8 @@ class CompileClock:
     """JAX's own compile events while open (`jax.monitoring`): tracing, lowering to MLIR, and the
     backend step (an XLA compile, or on a persistent-cache hit the executable's load), each with
     the time it ended. A context manager; `between(a, b)` sums what ended in (a, b]. What a first
-    call costs beyond these is the program's run and what the runtime does on first use (on a GPU,
-    each Mosaic kernel's compile: jaxlib caches them in process memory only)."""
+    call costs beyond these is the program's run and what the runtime does on first use (CUDA
+    graphs recorded, libraries loaded)."""
 
     KINDS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",

@@ -33,7 +33,9 @@ def tiny():
 
 @pytest.fixture(scope="module")
 def grid(tiny, tmp_path_factory):
-    """The run, and the programs it compiled (jax.log_compiles)."""
+    """The run, and the programs it compiled (jax.log_compiles). It starts with no program in
+    memory, so each cell's first prefill is cold here: traced and lowered, at least."""
+    jax.clear_caches()
     out = tmp_path_factory.mktemp("rm") / "realmodel.json"
     compiles = []
     handler = logging.Handler(logging.WARNING)
@@ -145,7 +147,8 @@ def test_bad_input_is_refused_before_any_work(tiny, monkeypatch, capsys):
 
     monkeypatch.setattr(api, "load_pretrained", no_work)
     for argv, msg in ((["--systems", "fast"], "unknown system(s) ['fast']"),
-                      (["--batches", "0"], "a batch must be an integer >= 1, got 0")):
+                      (["--batches", "0"], "a batch must be an integer >= 1, got 0"),
+                      (["--first-token-implementation", "select=xla"], "give --first-token too")):
         assert main(["--no-compile-cache", "bench", "realmodel", *argv]) == 2
         assert msg in capsys.readouterr().err
 

@@ -451,6 +451,40 @@ def _positions_witness(params, tokens, lengths, forecast):
         engine._engine_decode.clear_cache()  # later calls trace the real step again
 
 
+def _made_from_constants(jaxpr) -> list[str]:
+    """The equations of jaxpr (nested programs included) whose inputs are all literals: values
+    made inside the program, which XLA may return as one shared buffer."""
+    found = []
+    for e in jaxpr.eqns:
+        if all(type(v).__name__ == "Literal" for v in e.invars):
+            found.append(e.primitive.name)
+        for sub in e.params.values():
+            inner = getattr(sub, "jaxpr", sub)
+            if hasattr(inner, "eqns"):
+                found += _made_from_constants(inner)
+    return found
+
+
+def test_the_offload_layout_makes_no_buffer_of_its_own(setup):
+    """The engine's layout program only moves what it is given (slices, reshapes, transposes of
+    the prefill state and of the empty caches made outside it): a value made inside, like the
+    zeros the caches once were, may come back from the GPU as one buffer shared by every layer,
+    which the CUDA copy's in-place writes then corrupt (a CPU never shares them)."""
+    from sparda_jax.infer.engine import _offload_layout
+
+    params, forecast, _ = setup
+    prompt = jax.random.randint(jax.random.key(1), (2, 70), 0, TINY.vocab_size)
+    _, st = prefill(params, prompt, jnp.array([70, 59]), TINY, cache_size=128, mode="sparda", forecast=forecast)
+    ln, b, _, kh, dh = st.kv.k.shape
+    empty = {n: jnp.zeros((ln - 1, b, kh, 3, 64, dh)) for n in ("k", "v")}
+    jaxpr = jax.make_jaxpr(lambda *a: _offload_layout(*a, bs=64))(st, empty, jnp.zeros((ln - 1, b, kh, 3), jnp.int32))
+    assert _made_from_constants(jaxpr.jaxpr) == []
+    # the check sees such a value where one is made
+    made = jax.make_jaxpr(jax.jit(lambda x: (x[0], jnp.zeros(3))))(jnp.ones((2, 3)))
+    assert _made_from_constants(made.jaxpr) == ["broadcast_in_dim"]
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["sparda", "infinigen"])
 def test_prefill_gives_every_offloaded_layer_buffers_of_its_own(setup, mode):
     """The CUDA copy writes each layer's block cache and slot table in place, so no two of them

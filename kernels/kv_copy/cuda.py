@@ -138,8 +138,8 @@ def build_in_background() -> threading.Thread | None:
     def build():
         try:
             build_library()
-        except RuntimeError:
-            pass  # raised again, with nvcc's output, where the library is needed
+        except Exception:  # noqa: BLE001 - raised again, with its cause, where the library is needed
+            pass
 
     t = threading.Thread(target=build, name="sparda-copy-library-build", daemon=True)
     t.start()

@@ -17,7 +17,7 @@ from sparda_jax.text import haystack_tokens, insert_at_depth
 
 from .engine import selector_of
 from .generate import SamplingConfig, generate
-from .timing import StepTimer
+from .timing import CompileClock, StepTimer
 
 __all__ = ["RetrievalCase", "make_case", "run_retrieval", "results_table"]
 
@@ -66,8 +66,10 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
     result dict per case: mode, context_tokens, depth, expected, answer, correct; the timing of
     `infer.timing.DecodeTiming` in seconds: prefill_s, first_decode_s (the first decode step,
     its compile and the copy library's build included), steady_decode_tokens_per_s over
-    steady_decode_steps steps after the first (None below 2), total_s; and for offload systems
-    miss_rate (blocks copied / blocks selected) and copied_bytes_per_token (else None)."""
+    steady_decode_steps steps after the first (None below 2), total_s; first_calls (the prefill
+    and the first decode call split into JAX's trace, lower and compile and the rest,
+    `StepTimer.first_calls`; programs compiled for an earlier case are reused); and for offload
+    systems miss_rate (blocks copied / blocks selected) and copied_bytes_per_token (else None)."""
     if model.tokenizer is None:
         raise ValueError("the retrieval demo needs a model with a tokenizer")
     for s in systems:
@@ -85,11 +87,12 @@ def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_n
     """One case under one system: a result dict (see `run_retrieval`)."""
     kw = system_kwargs(extra, system)
     timer = StepTimer()
-    timer.start()
-    out, st = generate(model.params, model.config, [case.prompt_ids],
-                       SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
-                       dtype=model.dtype, return_stats=True, **kw, on_step=timer)
-    t = timer.timing(max_new_tokens=max_new_tokens)
+    with CompileClock() as compiles:
+        timer.start()
+        out, st = generate(model.params, model.config, [case.prompt_ids],
+                           SamplingConfig(max_new_tokens=max_new_tokens), stop_ids=model.tokenizer.eos_ids,
+                           dtype=model.dtype, return_stats=True, **kw, on_step=timer)
+        t = timer.timing(max_new_tokens=max_new_tokens)
     answer = model.tokenizer.decode(out[0])
     rate = t.steady_tokens_per_s
     c = model.config
@@ -106,13 +109,14 @@ def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_n
         "steady_decode_tokens_per_s": None if rate is None else round(rate, 2),
         "steady_decode_steps": t.steady_steps,
         "total_s": round(t.total_s, 3),
+        "first_calls": timer.first_calls(compiles, t),
         "miss_rate": round(st["copied_blocks"] / st["selected_blocks"], 4) if st["selected_blocks"] else None,
         "copied_bytes_per_token": round(st["copied_blocks"] * block_bytes / st["steps"]) if st["steps"] else None,
     }
     log(f"[{r['mode']}] depth {case.depth:.2f}, {r['context_tokens']} tokens: {answer!r} "
         f"({'correct' if r['correct'] else 'WRONG'}; expected {r['expected']}); {t.summary()}"
         + (f", block miss rate {r['miss_rate']:.3f}, {r['copied_bytes_per_token'] / 1e6:.2f} MB copied per token"
-           if r["miss_rate"] is not None else ""))
+           if r["miss_rate"] is not None else "") + f"\n[{r['mode']}] {r['first_calls']}")
     return r
 
 

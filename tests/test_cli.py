@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 
 import pytest
@@ -27,7 +28,12 @@ def test_demo_finds_the_fact(tmp_path, capsys):
     assert [r["mode"] for r in results] == ["dense_resident", "sparda"]
     assert all(r["context_tokens"] == 1024 and r["correct"] for r in results), results
     assert results[0]["miss_rate"] is None and 0 < results[1]["miss_rate"] < 1
-    assert "dense_resident | 1024 | 0.5 | True" in capsys.readouterr().out
+    for r in results:  # where each system's first calls went, as `generate` prints it (2 decimals)
+        m = re.match(r"first calls: prefill ([0-9.]+) s = trace [0-9.]+ \+ lower ", r["first_calls"])
+        assert m and abs(float(m[1]) - r["prefill_s"]) <= 0.006, r
+    captured = capsys.readouterr()
+    assert "dense_resident | 1024 | 0.5 | True" in captured.out
+    assert "[sparda] first calls: prefill" in captured.err
 
 
 def test_info_lists_presets(capsys):

@@ -26,6 +26,7 @@ budget are recorded as skipped.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import tempfile
 import time
@@ -39,6 +40,7 @@ from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.bench.engine_state import block_bytes
 from sparda_jax.bench.profile import profile_calls, profile_lines
 from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, save_png, write_json
+from sparda_jax.config import Implementations
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import ENGINE_MODES, OFFLOAD_MODES, selector_of
 from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
@@ -139,10 +141,12 @@ def _copy_libraries() -> set[str]:
 
 
 def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int, k: int,
-          profile_prefill: bool = False) -> dict:
+          profile_prefill: bool = False, implementations: Implementations = Implementations()) -> dict:
     """One (system, prompts) cell: the timing and traffic fields of a row (see the module doc);
-    with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`)."""
+    with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`);
+    implementations: the ops' backends in the system's engine."""
     kw = system_kwargs(extra, system)
+    kw["engine"] = dataclasses.replace(kw["engine"], implementations=implementations)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
     run = dict(dtype=model.dtype, steps_per_call=k, **kw)
     batch = len(prompts)
@@ -220,7 +224,8 @@ def _compilation_cache() -> dict:
 def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, batches=BATCHES,
                     new_tokens: int = NEW_TOKENS, steps_per_call: int | None = None, seed: int = 0,
                     budget: Budget | None = None, out: str | Path | None = None, command: str | None = None,
-                    log=None, progress: bool = True, profile_prefill: bool = False) -> dict:
+                    log=None, progress: bool = True, profile_prefill: bool = False,
+                    implementations: Implementations = Implementations()) -> dict:
     """Run every (context, batch, system) cell, in that nesting order, and return the result dict
     (written to `out` after each cell when given): environment, config, compilation_cache,
     copy_libraries_at_start, definitions, rows (one per cell: system, context, prompt_tokens,
@@ -228,7 +233,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
     the module doc's fields, None where not measured), claims (`claims`), complete.
     steps_per_call None: `default_steps_per_call(new_tokens)`. profile_prefill: each row's
     "prefill_profile", the summary of one more warm prefill under the profiler (device busy time,
-    top kernels, host events: `bench.profile.summarize_trace`). Raises ValueError (`check_inputs`)
+    top kernels, host events: `bench.profile.summarize_trace`). implementations: each op's
+    backend in every cell (None fields: the op picks; in config). Raises ValueError (`check_inputs`)
     before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm
 
@@ -246,7 +252,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                     "contexts": list(contexts), "batches": list(batches), "new_tokens": new_tokens,
                     "steps_per_call": k, "steps_per_call_default": steps_per_call is None, "seed": seed,
                     "budget_s": budget.seconds, "max_position_embeddings": c.max_position_embeddings,
-                    "block_size": c.sparse.block_size, "topk": c.sparse.topk},
+                    "block_size": c.sparse.block_size, "topk": c.sparse.topk,
+                    "implementations": dataclasses.asdict(implementations)},
          "compilation_cache": _compilation_cache(), "copy_libraries_at_start": sorted(_copy_libraries()),
          "definitions": {
              "steady_tokens_per_s": "tokens of all sequences per second over the full-size decode calls after the "
@@ -283,7 +290,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                         else None
                 if len(prompts_by_len.get(n, ())) < b:
                     prompts_by_len[n] = make_prompts(model.tokenizer.encode, n, max(batches), seed)
-                row.update(_cell(model, prompts_by_len[n][:b], s, extra, new_tokens, k, profile_prefill))
+                row.update(_cell(model, prompts_by_len[n][:b], s, extra, new_tokens, k, profile_prefill,
+                                 implementations))
             except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
                 msg = str(e).splitlines()[0][:400] if str(e) else ""
                 row.update(status="error", error=f"{type(e).__name__}: {msg}")
@@ -461,7 +469,8 @@ def main(args) -> int:
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype or "bfloat16"), progress=True)
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
                         steps_per_call=args.steps_per_call, budget=budget, out=out,
-                        command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill)
+                        command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill,
+                        implementations=Implementations(**dict(args.implementation or ())))
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])

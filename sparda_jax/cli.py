@@ -711,6 +711,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--profile-prefill", action="store_true",
                     help="realmodel: trace one more steady prefill per cell; its summary (device busy time, top "
                          "kernels, host events) goes into the row as prefill_profile")
+    bn.add_argument("--implementation", type=_implementation, nargs="+", metavar="OP=NAME",
+                    help="realmodel: force these backends in every cell (`sparda_jax.Implementations`), e.g. "
+                         "sparse_attention=xla select=xla; recorded in the JSON's config")
     bn.add_argument("--first-token-implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel, with --first-token: run those systems again with these backends forced "
                          "(generate --implementation), e.g. sparse_attention=xla select=xla")

@@ -156,7 +156,7 @@ def test_bad_input_is_refused_before_any_work(tiny, monkeypatch, capsys):
 def test_every_cell_gets_a_row_failed_or_skipped(tiny, monkeypatch, tmp_path):
     """A failing cell is a row with its error and the run goes on; past the budget, cells are
     skipped rows."""
-    def cell(model, prompts, system, extra, new_tokens, k, profile_prefill=False):
+    def cell(model, prompts, system, extra, new_tokens, k, profile_prefill=False, implementations=None):
         if system == "sparda":
             raise RuntimeError("no copy for you\nsecond line")
         return {"steady_tokens_per_s": 1.0, "prefill_s": 0.5}
@@ -260,3 +260,25 @@ def test_cli_first_token_runs_generate_cold_then_warm_and_keeps_its_lines(monkey
     assert r["implementation"] == ["select=xla"] and r["returncode"] == 0 and r["first_token_s"] is not None
     assert r["load_line"] == "loaded smollm2-135m in 1.0 s"
     assert r["timing_line"].startswith("[40 prompt tokens") and r["first_calls_line"].startswith("[first calls:")
+
+
+def test_forced_backends_reach_every_cell_and_the_json(tiny, monkeypatch):
+    """implementations= (the command's --implementation) is the engine's in every generate the
+    cells run, and the config records it."""
+    from sparda_jax.config import Implementations
+
+    seen = []
+    real = RM.generate
+
+    def spy(*a, **kw):
+        seen.append(kw["engine"].implementations)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(RM, "generate", spy)
+    forced = Implementations(sparse_attention="xla", select="xla")
+    r = RM.bench_realmodel(tiny, systems=("sparda",), contexts=(CONTEXT,), batches=(1,), new_tokens=NEW,
+                           steps_per_call=K, progress=False, log=lambda s: None, implementations=forced)
+    assert r["rows"][0]["status"] == "ok", r["rows"][0]
+    assert seen and all(x == forced for x in seen)  # the cold run and each warm prefill
+    assert r["config"]["implementations"] == {"dense_attention": None, "sparse_attention": "xla", "select": "xla",
+                                              "kv_copy": None}

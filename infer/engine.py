@@ -42,7 +42,7 @@ from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_
 from sparda_jax.runtime import warn_if_default_launch_queues
 
 from sparda_jax.kernels.kv_copy import (FFI_IMPLEMENTATIONS, KVCopyConfig, after_start, autotune_num_ctas,
-                                        gather_blocks, gather_blocks_start, gather_blocks_wait, host_pool, join_tokens,
+                                        build_in_background, gather_blocks, gather_blocks_start, gather_blocks_wait, host_pool, join_tokens,
                                         lane_ctas, paper_num_ctas, resolve_implementation, scatter_blocks)
 
 from .blockcache import assign_slots
@@ -144,6 +144,10 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     check_lead_forecast(config, engine.selector, "the engine")
     bs = config.sparse.block_size
     cache_size = -(-cache_size // bs) * bs
+    if engine.mode not in RESIDENT_MODES:
+        # the host pools' placement check (and the CUDA copy) need the copy library: its first
+        # build runs beside the prefill's compile
+        build_in_background(next(iter(jax.tree.leaves(params)[0].devices())))
     last, st = prefill(params, tokens, lengths, config, cache_size=cache_size, mode=engine.selector,
                        forecast=forecast, infinigen=infinigen, dtype=dtype,
                        implementations=engine.implementations)

@@ -127,15 +127,13 @@ def _load(args):
     return model
 
 
-def _prebuild_copy_library(systems, kv_copy: str | None = None) -> None:
-    """Where an offload system will use the CUDA copy (a CUDA GPU, kv_copy not forced elsewhere),
-    its library's first build (nvcc, seconds) starts now, beside the model's load and compiles."""
-    import jax
-
+def _prebuild_copy_library(systems) -> None:
+    """An offload system on a CUDA GPU needs the copy library (`infer.engine.engine_prefill` starts
+    its build too): started here, its first build (nvcc, seconds) also overlaps the model's load."""
     from .infer.engine import RESIDENT_MODES
 
-    if kv_copy in (None, "cuda") and any(s not in RESIDENT_MODES for s in systems) and jax.default_backend() == "gpu":
-        from .kernels.kv_copy.cuda import build_in_background
+    if any(s not in RESIDENT_MODES for s in systems):
+        from .kernels.kv_copy import build_in_background
 
         build_in_background()
 
@@ -145,7 +143,7 @@ def _cmd_generate(args) -> int:
 
     if args.trace:
         _check_output(args.trace)
-    _prebuild_copy_library([args.system], dict(args.implementation).get("kv_copy"))
+    _prebuild_copy_library([args.system])
     model = _load(args)
     tok = model.tokenizer
     if tok is None:

@@ -424,3 +424,25 @@ def test_host_pool_refuses_a_pinned_host_array_that_cuda_places_elsewhere(monkey
     monkeypatch.setattr(cuda, "on_cuda", lambda dev: False)  # CPU: nothing to ask CUDA
     monkeypatch.setattr(cuda, "memory_type", lambda a: pytest.fail("queried off CUDA"))
     engine.host_pool(x)
+
+
+def test_the_background_build_starts_once_and_only_on_cuda(monkeypatch):
+    """`build_in_background`: nothing off CUDA; on CUDA with nvcc one thread a process, which runs
+    `build_library` and keeps a failure for the first use to raise."""
+    from sparda_jax.kernels.kv_copy import cuda
+
+    monkeypatch.setattr(cuda, "_BACKGROUND", [])
+    assert cuda.build_in_background() is None and cuda._BACKGROUND == []  # this machine has no CUDA GPU
+    calls = []
+
+    def fake_build():
+        calls.append(1)
+        raise RuntimeError("nvcc failed")
+
+    monkeypatch.setattr(cuda, "on_cuda", lambda dev=None: True)
+    monkeypatch.setattr(cuda, "nvcc_path", lambda: "/usr/bin/nvcc")
+    monkeypatch.setattr(cuda, "build_library", fake_build)
+    t = cuda.build_in_background()
+    t.join(10)
+    assert calls == [1] and not t.is_alive()
+    assert cuda.build_in_background() is None and calls == [1]  # started before: not again

@@ -127,12 +127,16 @@ def build_library(cache_dir: str | Path | None = None, *, force: bool = False) -
     return _compile(nvcc, NVCC_FLAGS, SOURCE, "libsparda_gather", cache_dir, force)
 
 
-def build_in_background() -> threading.Thread | None:
-    """Start `build_library` on a daemon thread, so that a cold first run's nvcc (seconds) overlaps
-    the model's load and the first compiles; the first use of the CUDA copy waits for it (the
-    build lock). None, and nothing started, without nvcc. A failed build is left for the first
+_BACKGROUND: list[threading.Thread] = []  # the one background build this process started
+
+
+def build_in_background(device=None) -> threading.Thread | None:
+    """On a CUDA `device` (None: the default one), start `build_library` on a daemon thread, once
+    a process, so that a cold first run's nvcc (seconds) overlaps the model's load and the first
+    compiles; the first use of the library waits for it (the build lock). None, and nothing
+    started, off CUDA, without nvcc or when started before. A failed build is left for the first
     use to raise."""
-    if nvcc_path() is None:
+    if _BACKGROUND or not on_cuda(device) or nvcc_path() is None:
         return None
 
     def build():
@@ -142,6 +146,7 @@ def build_in_background() -> threading.Thread | None:
             pass
 
     t = threading.Thread(target=build, name="sparda-copy-library-build", daemon=True)
+    _BACKGROUND.append(t)
     t.start()
     return t
 

@@ -1,6 +1,7 @@
 # Source this on the GPU machine (device tool): installs the package over the image's JAX,
 # carried wheels (.whl/), reassembles the SmolLM2 GGUF from parts carried in earlier calls, and
-# gathers token shards carried under .data/ (xz-compressed .npy.xz: unpacked) into /root/data.
+# gathers token shards carried under .data/ or .data0/, .data1/, ... (xz-compressed .npy.xz: unpacked)
+# into /root/data.
 # Usage in a device call:  source scripts/device_setup.sh
 set -e
 [ -f .commit ] && export SPARDA_COMMIT=$(cat .commit)  # written by `git rev-parse HEAD > .commit` before the call
@@ -14,10 +15,12 @@ if ls .whl*/*.whl >/dev/null 2>&1; then
 fi
 mkdir -p /root/model
 for p in .model*/smol.part*; do if [ -f "$p" ]; then cp "$p" /root/model/; fi; done
-if [ -d .data ]; then  # a corpus's manifest.json and shards, possibly over several calls
-  mkdir -p /root/data && cp -r .data/. /root/data/
-  find /root/data -name '*.xz' -exec xz -d -f -T0 {} +
-fi
+for d in .data*/; do  # a corpus's manifest.json and shards, in .data/ or .data0/, .data1/, ... over several calls
+  if [ -d "$d" ]; then
+    mkdir -p /root/data && cp -r "$d." /root/data/
+    find /root/data -name '*.xz' -exec xz -d -f -T0 {} +
+  fi
+done
 # the GGUF travels as parts (.model*/smol.part00, 01, ...: one folder per call) with its sha256
 # (smol.sha256): joined once all are there
 for p in .model*/smol.sha256; do if [ -f "$p" ]; then cp "$p" /root/model/; fi; done

@@ -32,6 +32,7 @@
 #   sn_forecast the Forecast of the sparse-native SmolLM2 (needs its adapter in sparda_jax/weights/),
 #               started from the shipped Forecast
 #   sn_cont     that model's shipped Forecast trained on (seed 1); sn_cont8k the same on 8K windows (seed 2)
+#   sn_sel8k    sn_cont8k on a new adapter (in sparda_jax/weights/; seed 4)
 set -u
 DATA=${DATA:-/root/data}
 RUNS=${RUNS:-/root/study}
@@ -59,6 +60,7 @@ flags() {
     cont8k2)  echo "--data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 3 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     sn_cont)  echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
     sn_cont8k) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 2 --seq-len 8192 --batch 4 --micro-batch 4" ;;
+    sn_sel8k) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 4 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     sn_forecast) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast sparda_jax/weights/forecast-smollm2-135m.safetensors" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac

@@ -401,6 +401,20 @@ def _cmd_train(args) -> int:
     return 0
 
 
+def _init_adapter_path(arg, model):
+    """--init-adapter: None, 'shipped' (the package's adapter for this base model) or a file."""
+    if arg != "shipped":
+        return arg
+    from .api import ADAPTED_PRESETS
+    from .io.adapter_file import adapter_path
+
+    names = [name for name, base in ADAPTED_PRESETS.items() if base == model.config.name]
+    path = adapter_path(names[0]) if names else None
+    if path is None or not path.is_file():
+        raise SystemExit(f"--init-adapter shipped: no adapter is shipped for {model.config.name!r}")
+    return path
+
+
 def _cmd_finetune(args) -> int:
     from .io.adapter_file import LoraConfig
     from .train.augment import RetrievalMix
@@ -410,14 +424,16 @@ def _cmd_finetune(args) -> int:
     # the settings are checked before the model loads
     lora = LoraConfig(rank=args.rank, alpha=float(args.alpha if args.alpha is not None else 2 * args.rank))
     fc = FinetuneConfig(lora=lora, objective=args.objective, dense_weight=args.dense_weight,
-                        copy_weight=args.copy_weight, seq_len=args.seq_len, batch=args.batch,
+                        copy_weight=args.copy_weight, select_weight=args.select_weight,
+                        select_rows=args.select_rows, seq_len=args.seq_len, batch=args.batch,
                         micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, dtype=args.train_dtype,
                         seed=args.seed)
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
     model = _load(args)
     summary = finetune(model, fc, args.out, data_paths=args.data, data_devices=args.data_devices,
                        save_every=args.save_every, keep=args.keep, eval_every=args.eval_every,
-                       eval_seqs=args.eval_seqs, mix=mix, override=args.override,
+                       eval_seqs=args.eval_seqs, mix=mix, init_from=_init_adapter_path(args.init_adapter, model),
+                       override=args.override,
                        log=lambda s: print(s, file=sys.stderr))
     print(json.dumps(summary, indent=2))
     return 0
@@ -643,6 +659,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="add this times the sparse NLL of the tokens a long-range copy predicts (a run of 9 tokens "
                          "seen 1024+ tokens earlier): retrieval, which distill learns only where the base model's "
                          "dense mode retrieves")
+    ft.add_argument("--select-weight", type=float, default=0.0,
+                    help="add this times each layer's KL from its own attention to its InfLLM-V2 block scores (mean "
+                         "over layers): trains the block choice, which the other terms cannot reach")
+    ft.add_argument("--select-rows", type=_positive_int, default=256,
+                    help="query rows per sequence the --select-weight term is computed at")
+    ft.add_argument("--init-adapter",
+                    help="start from this adapter file ('shipped': the package's adapter of the model) instead of "
+                         "B = 0; the optimizer starts fresh")
     ft.add_argument("--dense-weight", type=float, default=0.0,
                     help="weight w of the dense-mode NLL in the loss (1 - w) sparse + w dense: w > 0 keeps the dense "
                          "mode of the adapted weights from drifting, 1 is the dense-only control")

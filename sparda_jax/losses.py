@@ -16,6 +16,7 @@ those). Everything here lives on the compressed grid.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -23,11 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from .attention import NEG_INF
-from .compress import chunk_visible, compress_keys
+from .compress import chunk_visible, compress_keys, num_chunks
 from .config import ForecastConfig, SparseConfig
 
 __all__ = ["partition_kl", "teacher_scores", "student_probs", "excluded_positions", "layer_loss",
-           "check_grids"]
+           "check_grids", "selection_alignment"]
 
 
 def check_grids(sparse: SparseConfig, fc: ForecastConfig) -> None:
@@ -190,3 +191,24 @@ def _layer_loss_bwd(sparse, fc, q_chunk, res, ct):
 
 
 _layer_loss.defvjp(_layer_loss_fwd, _layer_loss_bwd)
+
+
+def selection_alignment(q, k, q_positions, sparse: SparseConfig, fc: ForecastConfig):
+    """How far a layer's own InfLLM-V2 scores are from its own attention, for training the model
+    (not a Forecast) so that its selection keeps the blocks its attention reads.
+
+    q [B, r, H, D] (the layer's queries at r rows), k [B, S, K, D] (its keys), q_positions int
+    [B, r]. Student: the group-summed softmax over the (kernel_size, kernel_stride) compressed
+    keys, the score the sparse mode's top-k ranks (differentiable in q and k). Teacher: the same
+    on fc's fine grid, max-pooled onto the coarse one (`teacher_scores`), under stop_gradient.
+    Init and local positions are left out (forced anyway). Returns (sum of the partition KL over
+    rows with supervision, number of those rows)."""
+    n_c = num_chunks(k.shape[1], sparse.kernel_size, sparse.kernel_stride)
+    coarse = dataclasses.replace(fc, teacher_kernel_size=sparse.kernel_size,
+                                 teacher_kernel_stride=sparse.kernel_stride)
+    keep = ~excluded_positions(n_c, q_positions, sparse)[:, None]
+    teacher = jax.lax.stop_gradient(teacher_scores(q, k, q_positions, sparse, fc, n_c)) * keep
+    student = teacher_scores(q, k, q_positions, sparse, coarse, n_c) * keep
+    has = jnp.sum(teacher, axis=-1) > 0
+    kl = partition_kl(teacher, student, fc.supervision_k, rest=fc.rest_bucket)
+    return jnp.sum(jnp.where(has, kl, 0.0)), jnp.sum(has)

@@ -404,3 +404,183 @@ def test_copy_weight_adds_the_sparse_nll_of_the_copied_tokens(tiny_params):
     np.testing.assert_allclose(float(loss), float(parts["kl_sparse"]) + 0.5 * nll[mask].mean(), rtol=1e-5)
     with pytest.raises(ValueError, match="copy_weight"):
         dataclasses.replace(fc, copy_weight=-1.0)
+
+
+def _selection_kl_brute_force(q, k, pos, sp, fine, kept_k):
+    """`losses.selection_alignment` in float64 loops: per (batch, KV head, row), the group-summed
+    softmax over visible compressed keys (student, coarse grid; teacher, fine grid max-pooled onto
+    each coarse window's tokens), init / local windows dropped, then the KL over the teacher's
+    kept_k largest positions plus one bucket for the rest, both sides renormalized."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    b, r, h, d = q.shape
+    s, kh = k.shape[1], k.shape[2]
+    g = h // kh
+
+    def comp(size, stride):
+        n = (s - size) // stride + 1
+        return np.stack([k[:, c * stride:c * stride + size].mean(1) for c in range(n)], 1), n  # [B, N, K, D]
+
+    kc, n_c = comp(sp.kernel_size, sp.kernel_stride)
+    kf, n_f = comp(*fine)
+    total, rows = 0.0, 0
+    for bi in range(b):
+        for kv in range(kh):
+            for i in range(r):
+                p = int(pos[bi, i])
+
+                def group_probs(keys, n, size, stride):
+                    vis = np.array([c * stride + size - 1 <= p for c in range(n)])
+                    out = np.zeros(n)
+                    for hh in range(kv * g, kv * g + g):
+                        z = keys[bi, :, kv] @ q[bi, i, hh] / math.sqrt(d)
+                        e = np.where(vis, np.exp(z - z[vis].max()), 0.0)
+                        out += e / e.sum()
+                    return out, vis
+
+                stu, cvis = group_probs(kc, n_c, sp.kernel_size, sp.kernel_stride)
+                fin, _ = group_probs(kf, n_f, *fine)
+                tea = np.zeros(n_c)
+                for c in range(n_c):
+                    inside = [j for j in range(n_f) if j * fine[1] >= c * sp.kernel_stride
+                              and j * fine[1] + fine[0] <= c * sp.kernel_stride + sp.kernel_size]
+                    tea[c] = max(fin[j] for j in inside) if cvis[c] else 0.0
+                first = np.arange(n_c) * sp.kernel_stride // sp.block_size
+                last = (np.arange(n_c) * sp.kernel_stride + sp.kernel_size - 1) // sp.block_size
+                keep = (first >= sp.init_blocks) & (last < p // sp.block_size - sp.local_blocks)
+                tea, stu = tea * keep, stu * keep
+                if tea.sum() == 0:
+                    continue
+                tea, stu = tea / tea.sum(), stu / stu.sum()
+                top = np.argsort(-tea, kind="stable")[:kept_k]
+                top = top[tea[top] > 0]
+                rest = np.ones(n_c, bool)
+                rest[top] = False
+                rest_t, rest_s = tea[rest].sum(), stu[rest].sum()
+                kl = float(np.sum(tea[top] * np.log(tea[top] / stu[top])))
+                if rest_t > 0:
+                    kl += rest_t * math.log(rest_t / rest_s)
+                total, rows = total + kl, rows + 1
+    return total, rows
+
+
+def test_selection_alignment_against_a_brute_force_reference():
+    """The model's own InfLLM-V2 scores against its own fine attention: the value equals a float64
+    loop over rows; a fine grid equal to the coarse one makes teacher and student the same (KL 0);
+    the gradient reaches q and k through the student alone (the teacher is held fixed)."""
+    import dataclasses
+
+    from sparda_jax.losses import selection_alignment
+
+    sp, fc = TINY.sparse, TINY.forecast  # blocks of 16, windows (8, 4), 1 init + 1 local block
+    rng = np.random.default_rng(5)
+    b, s, kh, g, d = 2, 96, 2, 2, 16
+    q = jnp.asarray(rng.standard_normal((b, 5, kh * g, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, s, kh, d)), jnp.float32)
+    # 40 and 33: nothing visible past the forced blocks (block 0, and the own and previous block)
+    pos = jnp.asarray([[40, 50, 63, 80, 95], [95, 70, 48, 64, 33]], jnp.int32)
+    fine = dataclasses.replace(fc, teacher_kernel_size=2, teacher_kernel_stride=1)
+    total, rows = selection_alignment(q, k, pos, sp, fine)
+    want, want_rows = _selection_kl_brute_force(q, k, pos, sp, (2, 1), fc.supervision_k)
+    assert int(rows) == want_rows == kh * (2 * 5 - 2)
+    np.testing.assert_allclose(float(total), want, rtol=1e-5)
+    assert want > 0.1
+    same = dataclasses.replace(fc, teacher_kernel_size=sp.kernel_size, teacher_kernel_stride=sp.kernel_stride)
+    assert abs(float(selection_alignment(q, k, pos, sp, same)[0])) < 1e-5
+    gq, gk = jax.grad(lambda q, k: selection_alignment(q, k, pos, sp, fine)[0], argnums=(0, 1))(q, k)
+    assert float(jnp.abs(gq).max()) > 0 and float(jnp.abs(gk).max()) > 0
+    # the teacher is a constant: the gradient is that of the KL to a frozen teacher
+    from sparda_jax.losses import excluded_positions, partition_kl, teacher_scores
+
+    n_c = (s - sp.kernel_size) // sp.kernel_stride + 1
+    keep = ~excluded_positions(n_c, pos, sp)[:, None]
+    frozen = teacher_scores(q, k, pos, sp, fine, n_c) * keep
+    coarse = dataclasses.replace(fc, teacher_kernel_size=sp.kernel_size, teacher_kernel_stride=sp.kernel_stride)
+
+    def to_frozen(q, k):
+        kl = partition_kl(frozen, teacher_scores(q, k, pos, sp, coarse, n_c) * keep, fc.supervision_k)
+        return jnp.sum(jnp.where(jnp.sum(frozen, -1) > 0, kl, 0.0))
+
+    hq, hk = jax.grad(to_frozen, argnums=(0, 1))(q, k)
+    np.testing.assert_allclose(gq, hq, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(gk, hk, rtol=1e-5, atol=1e-7)
+
+
+def test_select_weight_adds_each_layers_selection_kl_and_training_lowers_it(tiny_params):
+    """select_kl is the mean over layers of `selection_alignment` at `selection_rows`, computed
+    from the sparse forward's own queries and keys (here taken from `forward`'s return_q and
+    return_kv, another route); the loss adds select_weight times it; steps with the term
+    dominant lower it (the adapter reaches the selection)."""
+    import dataclasses
+
+    from sparda_jax.losses import selection_alignment
+    from sparda_jax.train.finetune import selection_rows
+
+    # q and k 16x larger: attention as peaked as a trained model's (the init's is near uniform,
+    # where coarse and fine scores agree and the term is ~1e-5)
+    layers = dict(tiny_params["layers"])
+    for t in ("q_proj", "k_proj"):
+        layers[t] = {"kernel": 16 * tiny_params["layers"][t]["kernel"]}
+    tiny_params = {**tiny_params, "layers": layers}
+    tok = _tokens(11, (2, T))
+    ad = _random_adapter(12)
+    fc = dataclasses.replace(FC, select_weight=0.5, select_rows=16)
+    loss, parts = finetune_loss(ad, tiny_params, tok, config=TINY, fc=fc)
+    plain, _ = finetune_loss(ad, tiny_params, tok, config=TINY, fc=FC)
+    np.testing.assert_allclose(float(loss), float(plain) + 0.5 * float(parts["select_kl"]), rtol=1e-6)
+    merged = merge_adapter(tiny_params, ad, LORA)
+    _, aux = forward(merged, tok, TINY, mode="sparse", return_q=True, return_kv=True)
+    rows = np.asarray(selection_rows(T, TINY.sparse, 16))
+    assert rows[0] == (1 + 1 + 1) * 16 and rows[-1] < T and len(set(rows)) == 16
+    fine = dataclasses.replace(TINY.forecast, teacher_kernel_size=2, teacher_kernel_stride=1)
+    per_layer = []
+    for l in range(TINY.num_layers):
+        kl, n = selection_alignment(aux["q"][l][:, rows], aux["k"][l], jnp.broadcast_to(jnp.asarray(rows), (2, 16)),
+                                    TINY.sparse, fine)
+        per_layer.append(float(kl) / int(n))
+    np.testing.assert_allclose(float(parts["select_kl"]), np.mean(per_layer), rtol=1e-5)
+    # the term is learnable through the adapter: a fixed batch, the selection term dominant
+    from sparda_jax.train.run import make_mesh, shard_batch
+
+    fc = dataclasses.replace(FC, select_weight=20.0, select_rows=16)
+    state = _as_finetune_places(init_adapter_state(init_adapter(TINY, LORA, jax.random.key(1)), fc))
+    batch = shard_batch(make_mesh(1), np.asarray(tok)[None], (1, 2, T))
+    seen = []
+    for _ in range(15):
+        state, m = finetune_step(state, _as_finetune_places(tiny_params), batch, config=TINY, fc=fc)
+        seen.append(float(m["select_kl"]))
+    assert seen[-1] < 0.8 * seen[0], seen  # 0.64 -> 0.48 when written
+    with pytest.raises(ValueError, match="select_rows 200"):
+        selection_rows(T, TINY.sparse, 200)
+
+
+def test_finetune_starts_from_an_adapter_file(tmp_path, tiny_params):
+    """init_from: the run's first step starts at that adapter (its step-1 loss is the file's
+    adapter's loss), its sha256 is recorded; another rank is refused before any work; the CLI's
+    --init-adapter shipped names the package's adapter for the base model."""
+    import hashlib
+
+    from sparda_jax import cli
+
+    model = Pretrained(TINY, tiny_params, ByteTokenizer())
+    ad = _random_adapter(21)
+    path = save_adapter(tmp_path / "start.safetensors", ad, TINY, LORA, dtype="float32")
+    fc = FinetuneConfig(**{**FC.__dict__, "steps": 1})
+    kw = dict(save_every=1, eval_every=0, eval_len=T, progress=False, log=lambda s: None)
+    finetune(model, fc, tmp_path / "run", init_from=path, **kw)
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    from sparda_jax.train.run import step_batch, training_data, make_mesh
+
+    data = training_data(model, T, fc.seed, None, __import__("sparda_jax.train.augment", fromlist=["x"]).RetrievalMix())
+    batch = np.asarray(step_batch(data, make_mesh(1), 0, batch=2, micro_batch=2, seq_len=T))[0]
+    want, _ = finetune_loss(ad, tiny_params, jnp.asarray(batch), config=TINY, fc=fc)
+    np.testing.assert_allclose(first["loss"], float(want), rtol=1e-5)
+    rec = json.loads((tmp_path / "run" / "config.json").read_text())["init"]
+    assert rec == {"file": "start.safetensors", "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    other = FinetuneConfig(**{**fc.__dict__, "lora": LoraConfig(rank=2, alpha=8.0)})
+    with pytest.raises(ValueError, match="rank=4"):
+        finetune(model, other, tmp_path / "other", init_from=path, **kw)
+    assert not (tmp_path / "other" / "config.json").exists()
+    smol = Pretrained(get_preset("smollm2-135m"), {}, None)
+    assert cli._init_adapter_path("shipped", smol) == adapter_file.adapter_path("smollm2-135m-sparse")
+    with pytest.raises(SystemExit, match="no adapter is shipped"):
+        cli._init_adapter_path("shipped", model)

@@ -16,12 +16,17 @@ answers) while it learns to do it under sparse attention; raw documentation text
 chat model to continue documentation. The gradient reaches the adapter through
 `sparse_attention`'s custom VJP, while the block choice (a top-k) carries none.
 `FinetuneConfig.dense_weight` mixes in the same term for the dense mode of the merged weights.
+Since the top-k passes no gradient, `FinetuneConfig.select_weight` adds a term that trains the
+selection itself: each layer's InfLLM-V2 scores (its queries against its compressed keys) are
+pulled toward its own fine-grained attention (`losses.selection_alignment`), so the blocks the
+sparse mode keeps are those the layer's attention would read.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 from dataclasses import asdict
@@ -34,9 +39,11 @@ from flax import struct
 from jax.sharding import Mesh
 
 from sparda_jax.api import Pretrained
-from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_float, check_instance
-from sparda_jax.io.adapter_file import LoraConfig, adapter_shapes, merge_adapter, save_adapter
-from sparda_jax.modes import forward
+from sparda_jax.config import (ConfigError, ForecastConfig, Implementations, ModelConfig, SparseConfig, check_float,
+                               check_instance, check_int)
+from sparda_jax.io.adapter_file import LoraConfig, adapter_shapes, load_adapter, merge_adapter, save_adapter
+from sparda_jax.losses import selection_alignment
+from sparda_jax.modes import LayerView, forward
 
 from .augment import RetrievalMix
 from .checkpoint import Checkpointer
@@ -44,7 +51,7 @@ from .objective import check_run_settings, make_optimizer, mean_grads
 from .run import held_out_tokens, make_mesh, place_run, plot_metrics, run_record, run_steps, step_batch, training_data
 
 __all__ = ["FinetuneConfig", "OBJECTIVES", "AdapterState", "init_adapter", "token_nll", "token_kl", "copy_positions",
-           "finetune_loss", "init_adapter_state", "finetune_step", "heldout_nll", "finetune"]
+           "selection_rows", "SelectionTap", "finetune_loss", "init_adapter_state", "finetune_step", "heldout_nll", "finetune"]
 
 
 OBJECTIVES = ("nll", "distill")
@@ -62,7 +69,10 @@ class FinetuneConfig:
     w = 0 (default) skips the dense pass. copy_weight c >= 0 adds c times the sparse NLL of the
     tokens a long-range copy predicts (`copy_positions`: the token and the 8 before it occurred
     together at least 1024 tokens earlier), the retrieval the demo and the copy task ask for,
-    which "distill" inherits only where the base model's dense mode retrieves.
+    which "distill" inherits only where the base model's dense mode retrieves. select_weight
+    s >= 0 adds s times the mean over layers of `losses.selection_alignment` at `select_rows`
+    query rows per sequence (`selection_rows`): the only term whose gradient reaches the block
+    choice.
     Defaults: 60 steps of 8 sequences of 4096 tokens (a short first run; docs/finetune.md has
     the longer one), AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight decay), grad-norm
     clip 1, bf16 compute. `steps` is left out of equality and
@@ -74,6 +84,8 @@ class FinetuneConfig:
     objective: str = "nll"
     dense_weight: float = 0.0
     copy_weight: float = 0.0
+    select_weight: float = 0.0
+    select_rows: int = 256
     seq_len: int = 4096
     batch: int = 8
     micro_batch: int = 8
@@ -92,6 +104,8 @@ class FinetuneConfig:
         check_instance(c, "lora", self.lora, LoraConfig)
         check_float(c, "dense_weight", self.dense_weight, lo=0, hi=1)
         check_float(c, "copy_weight", self.copy_weight, lo=0)
+        check_float(c, "select_weight", self.select_weight, lo=0)
+        check_int(c, "select_rows", self.select_rows, lo=1)
         if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
             raise ConfigError(f"{c}.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         check_run_settings(c, self)
@@ -156,12 +170,37 @@ def copy_positions(tokens: jax.Array, *, n: int = COPY_NGRAM, min_gap: int = COP
     return copied[:, 1:]
 
 
+def selection_rows(seq_len: int, sparse: SparseConfig, count: int) -> tuple[int, ...]:
+    """`count` query positions spread evenly over those with a block left to choose: from the
+    first position past the init, local and own blocks to the sequence's end. ValueError when
+    fewer than `count` positions are there."""
+    first = (sparse.init_blocks + sparse.local_blocks + 1) * sparse.block_size
+    if seq_len - first < count:
+        raise ValueError(f"select_rows {count}: a {seq_len}-token window has {max(0, seq_len - first)} positions "
+                         f"past its forced blocks")
+    return tuple(first + (i * (seq_len - first)) // count for i in range(count))
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionTap:
+    """Per layer: `losses.selection_alignment` of the layer's queries at `rows` against its keys,
+    the teacher on the fine (2, 1) grid; returns (sum of KL, rows with supervision)."""
+
+    config: ModelConfig
+    rows: tuple[int, ...]
+
+    def __call__(self, view: LayerView):
+        idx = jnp.asarray(self.rows, jnp.int32)
+        fine = dataclasses.replace(self.config.forecast, teacher_kernel_size=2, teacher_kernel_stride=1)
+        return selection_alignment(view.q[:, idx], view.k, view.positions[:, idx], self.config.sparse, fine)
+
+
 def _parts(fc: FinetuneConfig) -> tuple[str, ...]:
     modes = ("sparse", "dense") if fc.dense_weight > 0 else ("sparse",)
-    copy = ("nll_copy",) if fc.copy_weight > 0 else ()
+    extra = (("nll_copy",) if fc.copy_weight > 0 else ()) + (("select_kl",) if fc.select_weight > 0 else ())
     if fc.objective == "nll":
-        return tuple(f"nll_{m}" for m in modes) + copy
-    return tuple(f"kl_{m}" for m in modes) + ("nll_sparse",) + copy
+        return tuple(f"nll_{m}" for m in modes) + extra
+    return tuple(f"kl_{m}" for m in modes) + ("nll_sparse",) + extra
 
 
 def token_kl(teacher_logits, logits):
@@ -172,7 +211,8 @@ def token_kl(teacher_logits, logits):
 
 def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: ModelConfig, fc: FinetuneConfig,
                   implementations: Implementations = Implementations()):
-    """(1 - w) * L_sparse + w * L_dense (+ fc.copy_weight * the sparse NLL at `copy_positions`;
+    """(1 - w) * L_sparse + w * L_dense (+ fc.copy_weight * the sparse NLL at `copy_positions`,
+    + fc.select_weight * the sparse pass's mean `selection_alignment` per layer;
     w = fc.dense_weight, the dense pass only when w > 0) of
     the backbone with the adapter merged in, computed in fc.dtype, each term a mean over all
     B * (T - 1) next-token predictions: the NLL of tokens[:, 1:] ("nll"), or the KL from the
@@ -183,7 +223,13 @@ def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: M
     dtype = jnp.dtype(fc.dtype)
     run = lambda p, mode: forward(p, tokens, config, mode=mode, dtype=dtype, implementations=implementations)
     modes = ("sparse", "dense") if fc.dense_weight > 0 else ("sparse",)
-    logits = {m: run(params, m) for m in modes}
+    logits = {m: run(params, m) for m in modes if m != "sparse" or fc.select_weight == 0}
+    if fc.select_weight > 0:
+        tap = SelectionTap(config, selection_rows(tokens.shape[1], config.sparse, fc.select_rows))
+        logits["sparse"], aux = forward(params, tokens, config, mode="sparse", dtype=dtype,
+                                        implementations=implementations, tap=tap)
+        kl, rows = aux["tap"]  # [L] each
+        select_kl = jnp.mean(kl / jnp.maximum(rows, 1).astype(jnp.float32))
     nll_modes = modes if fc.objective == "nll" else ("sparse",)
     nll = {m: token_nll(logits[m], tokens) for m in nll_modes}
     parts = {f"nll_{m}": jnp.mean(v) for m, v in nll.items()}
@@ -198,6 +244,9 @@ def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: M
     loss = parts[f"{term}_sparse"] if w == 0 else (1 - w) * parts[f"{term}_sparse"] + w * parts[f"{term}_dense"]
     if fc.copy_weight > 0:
         loss = loss + fc.copy_weight * parts["nll_copy"]
+    if fc.select_weight > 0:
+        parts["select_kl"] = select_kl
+        loss = loss + fc.select_weight * select_kl
     return loss, {k: parts[k] for k in _parts(fc)}
 
 
@@ -252,8 +301,8 @@ def _mean_nll(logits, tokens):
 
 def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data_paths=None, data_devices=None,
              save_every: int = 10, keep: int = 3, eval_every: int = 20, eval_len: int | None = None,
-             eval_seqs: int = 2, mix: RetrievalMix = RetrievalMix(), override: bool = False, progress: bool = True,
-             log=print) -> dict:
+             eval_seqs: int = 2, mix: RetrievalMix = RetrievalMix(), init_from: str | Path | None = None,
+             override: bool = False, progress: bool = True, log=print) -> dict:
     """Fine-tune a LoRA adapter of `model` under sparse attention; resumes from
     out_dir/checkpoints if present. Writes metrics.jsonl (per step: loss, its NLL parts,
     grad_norm, tokens/s; with an evaluation, `heldout_nll`'s four numbers), metrics.png,
@@ -262,8 +311,11 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
     Data (data_paths, mix), the held-out text (eval_seqs windows of eval_len tokens, default
     min(seq_len, 8192)), the mesh (data_devices), checkpoints (save_every, keep) and the resume
     rules (override) are `train.run.train`'s. eval_every: every this many steps and at the
-    first and last step; 0: never. Raises ValueError for a seq_len at which the model's sparse
-    mode sees every block (or runs dense: below `sparse.dense_len`), and as `train` does.
+    first and last step; 0: never. init_from: an adapter file of this model to start from
+    instead of B = 0 (a fresh optimizer; its sha256 is part of the run's record), with fc.lora's
+    rank, alpha and targets. Raises ValueError for a seq_len at which the model's sparse mode
+    sees every block (or runs dense: below `sparse.dense_len`), for an init_from of another
+    LoRA shape, and as `train` does.
     """
     if isinstance(eval_every, bool) or not isinstance(eval_every, int) or eval_every < 0:
         raise ValueError(f"eval_every must be an int >= 0 (0: never), got {eval_every!r}")
@@ -277,6 +329,15 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
         raise ValueError(f"seq_len {fc.seq_len}: {c.name}'s sparse mode is dense there (a budget of {sp.topk} "
                          f"blocks of {sp.block_size} tokens, dense below {sp.dense_len} tokens); fine-tune on "
                          f"longer sequences")
+    if fc.select_weight > 0:
+        selection_rows(fc.seq_len, sp, fc.select_rows)  # ValueError before any work
+    init = None
+    if init_from is not None:
+        init_from = Path(init_from)
+        init, lora = load_adapter(init_from, c)  # FileNotFoundError / CheckpointError before any work
+        if lora != fc.lora:
+            raise ValueError(f"{init_from}: an adapter of {lora}, the run's is {fc.lora}")
+        init_record = {"file": init_from.name, "sha256": hashlib.sha256(init_from.read_bytes()).hexdigest()}
     data = training_data(model, fc.seq_len, fc.seed, data_paths, mix)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -287,11 +348,11 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
     ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
     # checked before any work on the device: a refused resume costs nothing
     record = run_record(out / "config.json", {
-        "model": c.name, "train": asdict(fc), "sparse": asdict(sp), "mix": asdict(mix), "data": data.record},
-        ckpt.latest_step() or 0, override=override)
+        "model": c.name, "train": asdict(fc), "sparse": asdict(sp), "mix": asdict(mix), "data": data.record}
+        | ({"init": init_record} if init is not None else {}), ckpt.latest_step() or 0, override=override)
     dtype = jnp.dtype(fc.dtype)
-    backbone, state = place_run(model, init_adapter_state(init_adapter(c, fc.lora, jax.random.key(fc.seed)), fc),
-                                dtype, mesh, ckpt, log)
+    start = init if init is not None else init_adapter(c, fc.lora, jax.random.key(fc.seed))
+    backbone, state = place_run(model, init_adapter_state(start, fc), dtype, mesh, ckpt, log)
     (out / "config.json").write_text(json.dumps(record | {"corpus_tokens": int(data.stream.size),
                                                           "data_devices": n_data}, indent=2))
 

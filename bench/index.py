@@ -115,6 +115,10 @@ FILES = {
                                   "thread): 4K batch 1 and `sparda generate` cold / warm; SparDA with an untrained "
                                   "Forecast",
     "realmodel/grid.json": "1f8415d: 8K batch 1 and 8, 4K batch 1 (the 220 s budget skipped 4K batch 8)",
+    "realmodel/backends_kernels.json": "aadd3b7, the shipped Forecast: 4K and 8K batch 1 with the default backends "
+                                       "(the 110 s budget skipped SparDA at 8K)",
+    "realmodel/backends_xla.json": "the same run's second grid, sparse attention and selection forced to XLA, and "
+                                   "`sparda generate` cold / warm with the default backends and with XLA forced",
 }
 
 
@@ -250,8 +254,9 @@ def _realmodel_section(rel: str = "realmodel/realmodel.json") -> list[str]:
         return []
     d = _load(rel)
     c = d["config"]
+    forced = ", ".join(f"{op}={name}" for op, name in (c.get("implementations") or {}).items() if name)
     lines = [f"### {c['model']} through `generate`, {c['dtype']}, {c['new_tokens']} new tokens, "
-             f"{c['steps_per_call']} steps a call (no paper figure)", "",
+             f"{c['steps_per_call']} steps a call{f', backends forced: {forced}' if forced else ''} (no paper figure)", "",
              "Steady decode leaves out the first decode call; prefill is a warm call of the same shapes (the "
              "median of 3 in runs after 01c0432, one before); the first call is the cold prefill plus the first "
              "decode call (compiles, the copy library's build).", "",
@@ -313,7 +318,9 @@ def render() -> str:
                     _realmodel_section, lambda: _realmodel_section("realmodel/prefill_d64.json"),
                     lambda: _realmodel_section("realmodel/select_d64.json"),
                     lambda: _realmodel_section("realmodel/lowered_once.json"),
-                    lambda: _realmodel_section("realmodel/grid.json")):
+                    lambda: _realmodel_section("realmodel/grid.json"),
+                    lambda: _realmodel_section("realmodel/backends_kernels.json"),
+                    lambda: _realmodel_section("realmodel/backends_xla.json")):
         part = section()
         lines += part + [""] if part else []
     lines += _claims_section() + [""] + _folders_section()

@@ -39,7 +39,7 @@ from flax import struct
 from jax.sharding import Mesh
 
 from sparda_jax.api import Pretrained
-from sparda_jax.config import (ConfigError, ForecastConfig, Implementations, ModelConfig, SparseConfig, check_float,
+from sparda_jax.config import (ConfigError, Implementations, ModelConfig, SparseConfig, check_float,
                                check_instance, check_int)
 from sparda_jax.io.adapter_file import LoraConfig, adapter_shapes, load_adapter, merge_adapter, save_adapter
 from sparda_jax.losses import selection_alignment

@@ -6,14 +6,17 @@ from sparda_jax import api
 from sparda_jax.eval.copy import copy_sequence, eval_copy, source_share
 from sparda_jax.eval.heldout import corpus_texts
 from sparda_jax.eval.bound import oracle_forward
-length, samples = int(sys.argv[1]), int(sys.argv[2])
-splits = sys.argv[3:]
+oracle_only = "--oracle-only" in sys.argv  # skip the dense and sparse rows (taken from another run)
+args = [a for a in sys.argv[1:] if a != "--oracle-only"]
+length, samples, splits = int(args[0]), int(args[1]), args[2:]
 m = api.load_pretrained("smollm2-135m-sparse")
 c, sp = m.config, m.config.sparse
 texts = corpus_texts("/tmp/s21/data", splits, vocab_size=c.vocab_size)
 t0 = time.time()
-base = eval_copy(m, lengths=(length,), samples=samples, modes=("dense", "sparse"), texts=texts, progress=False)
-print("dense/sparse", round(time.time() - t0), "s", flush=True)
+base = {"rows": []}
+if not oracle_only:
+    base = eval_copy(m, lengths=(length,), samples=samples, modes=("dense", "sparse"), texts=texts, progress=False)
+    print("dense/sparse", round(time.time() - t0), "s", flush=True)
 rows = []
 for text in texts:
     nll, src = [], []

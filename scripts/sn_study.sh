@@ -9,6 +9,10 @@
 #
 #   bash scripts/sn_study.sh place     # first in every later call: puts the chain's files back
 #
+# A device machine can be lost mid-chain: end every poll with `collect`, so what the chain has made
+# so far (its adapter once trained, its Forecast, records) is here already; a later machine goes on
+# with ADAPTER=that adapter (no training) and FC_RUN's Forecast started again.
+#
 # Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH, FT_COPY,
 # FT_SELECT (--select-weight), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
 # dense / sparse baselines (copy + selection suites, every split, 4K and 8K) and its Forecast

@@ -408,13 +408,15 @@ def plot(json_path) -> str | None:
 
 
 def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", "sparda"), dtype="bfloat16",
-                    new_tokens: int = 32, implementation: tuple[str, ...] = (), log=print) -> list[dict]:
+                    new_tokens: int = 32, implementation: tuple[str, ...] = (), program_store: bool = True,
+                    log=print) -> list[dict]:
     """`sparda generate` as a user runs it, per system twice in fresh processes: "cold" with an
     empty compilation cache (and copy-library folder), then "warm" with the one the cold run
     filled. Per run: first_token_s (process start to the first generated text on stdout),
     total_s (to the process's exit), the exit code, and the lines it printed: the model's load,
     the timing and the first calls' split (trace, lower, compile, the rest). implementation:
-    `generate --implementation` values (OP=NAME) for every run, also in each row."""
+    `generate --implementation` values (OP=NAME) for every run, also in each row. program_store:
+    False runs the CLI with --no-program-store (XLA's cache alone), also in each row."""
     import os
     import subprocess
     import tempfile
@@ -424,7 +426,8 @@ def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", 
         with tempfile.TemporaryDirectory(prefix="sparda-cold-") as cache:
             env = os.environ | {"SPARDA_JAX_CACHE_DIR": cache}
             for run in ("cold", "warm"):
-                cmd = [sys.executable, "-m", "sparda_jax.cli", "generate", "--model", model_name, "--dtype", dtype,
+                cmd = [sys.executable, "-m", "sparda_jax.cli", *([] if program_store else ["--no-program-store"]),
+                       "generate", "--model", model_name, "--dtype", dtype,
                        "--system", system, "--raw", "--temperature", "0", "--max-new-tokens", str(new_tokens),
                        "--prompt", prompt] + (["--implementation", *implementation] if implementation else [])
                 t0 = time.perf_counter()
@@ -435,7 +438,8 @@ def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", 
                 total = time.perf_counter() - t0
                 lines = err.decode(errors="replace").splitlines()
                 last = lambda keep: next((l for l in reversed(lines) if keep(l)), None)
-                row = {"system": system, "implementation": list(implementation), "run": run,
+                row = {"system": system, "implementation": list(implementation), "program_store": program_store,
+                       "run": run,
                        "first_token_s": round(t_first, 3) if first else None,
                        "total_s": round(total, 3), "returncode": p.returncode,
                        "load_line": last(lambda l: l.startswith("loaded ")),
@@ -444,7 +448,7 @@ def cli_first_token(model_name: str, prompt: str, *, systems=("dense_resident", 
                 if p.returncode:
                     row["error"] = err.decode(errors="replace")[-600:]
                 rows.append(row)
-                forced = "".join(f" {x}" for x in implementation)
+                forced = "".join(f" {x}" for x in implementation) + ("" if program_store else " (no program store)")
                 log(f"[realmodel] sparda generate --system {system}{forced} ({run}): first "
                     f"token {row['first_token_s']} s, exit {p.returncode} at {total:.1f} s\n  {row['first_calls_line']}")
     return rows
@@ -463,8 +467,9 @@ def main(args) -> int:
     if args.first_token:
         check_inputs(None, systems=tuple(args.first_token), contexts=contexts, batches=batches,
                      new_tokens=args.new_tokens, steps_per_call=args.steps_per_call)
-    elif getattr(args, "first_token_implementation", None):
-        raise ValueError("--first-token-implementation reruns the --first-token systems: give --first-token too")
+    elif getattr(args, "first_token_implementation", None) or getattr(args, "first_token_without_store", False):
+        raise ValueError("--first-token-implementation and --first-token-without-store rerun the --first-token "
+                         "systems: give --first-token too")
     out = args.out or DEFAULT_OUT
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype or "bfloat16"), progress=True)
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
@@ -474,9 +479,12 @@ def main(args) -> int:
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])
-        runs = lambda impl: cli_first_token(args.model, text, systems=tuple(args.first_token),
-                                            dtype=args.dtype or "bfloat16", implementation=impl)
+        runs = lambda impl, store=True: cli_first_token(args.model, text, systems=tuple(args.first_token),
+                                                        dtype=args.dtype or "bfloat16", implementation=impl,
+                                                        program_store=store)
         rows = runs(())
+        if getattr(args, "first_token_without_store", False):  # the same runs with XLA's cache alone
+            rows += runs((), store=False)
         if args.first_token_implementation:  # the same runs with these backends forced
             rows += runs(tuple(f"{op}={name}" for op, name in args.first_token_implementation))
         r["cli_first_token"] = {"prompt_chars": len(text), "context": contexts[0], "rows": rows}

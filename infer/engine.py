@@ -22,7 +22,6 @@ KV on the device; sparse, infinigen, sparda_sync and sparda offload.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
@@ -39,6 +38,7 @@ from sparda_jax.modes import (check_lead_forecast, decode_program, decode_step_p
                               prefill)
 from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_step, partial_keys, run_layers, \
     select_blocks
+from sparda_jax.programs import stored_jit
 from sparda_jax.runtime import warn_if_default_launch_queues
 
 from sparda_jax.kernels.kv_copy import (FFI_IMPLEMENTATIONS, KVCopyConfig, after_start, autotune_num_ctas,
@@ -170,7 +170,7 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     return last, commit_to_params_device(OffloadState(l0, host, offloaded), params)
 
 
-@functools.partial(jax.jit, static_argnames=("bs",))
+@stored_jit(static_argnames=("bs",))
 def _offload_layout(st, empty: dict, tables, *, bs: int):
     """The prefill's stacked state laid out for the engine, as one program: layer 0's state,
     layers 1..L-1's payloads in blocks (for the host pools), and per layer 1..L-1 an
@@ -491,9 +491,9 @@ def _engine_decode_loop_impl(params, tokens, positions, state, forecast, infinig
     return out, state, {"copied_blocks": copied, "selected_blocks": selected}
 
 
-_engine_decode = jax.jit(_engine_decode_impl, static_argnames=("run",), donate_argnames=("state",))
-_engine_decode_loop = jax.jit(_engine_decode_loop_impl, static_argnames=("run", "sampling"),
-                              donate_argnames=("state",))
+_engine_decode = stored_jit(_engine_decode_impl, static_argnames=("run",), donate_argnames=("state",))
+_engine_decode_loop = stored_jit(_engine_decode_loop_impl, static_argnames=("run", "sampling"),
+                                 donate_argnames=("state",))
 
 
 def resolve(params, positions, state, config: ModelConfig, engine: EngineConfig, *, forecast=None, infinigen=None,

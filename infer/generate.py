@@ -8,7 +8,6 @@ its own slot before attending, so padding slots are overwritten before they are 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -19,6 +18,7 @@ import numpy as np
 from sparda_jax.config import Implementations, ModelConfig, check_float, check_int
 from sparda_jax.model import check_token_ids
 from sparda_jax.modes import decode_step, prefill
+from sparda_jax.programs import stored_jit
 
 __all__ = ["SamplingConfig", "generate", "sample_next"]
 
@@ -44,7 +44,7 @@ class SamplingConfig:
         check_int(c, "seed", self.seed, lo=0, hi=2**32 - 1)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "top_p"))
+@stored_jit(static_argnames=("temperature", "top_p"))
 def sample_next(logits: jax.Array, key: jax.Array, temperature: float, top_p: float) -> jax.Array:
     """logits [B, V] float32 -> token ids [B] int32."""
     if temperature == 0.0:
@@ -132,7 +132,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     positions = lengths.copy()  # on the host: the engine checks them without waiting for the device
     counts = []  # each step's device counters, read once at the end
     key, sub = jax.random.split(key)
-    nxt = sample_next(logits, sub, sampling.temperature, sampling.top_p)
+    nxt = sample_next(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p)
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
                                   steps_per_call, on_step, return_stats, run, engine)
@@ -152,7 +152,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
             logits, state, st = step_fn(params, nxt, positions, state, config)
             positions = positions + 1
             key, sub = jax.random.split(key)
-            ahead = (sample_next(logits, sub, sampling.temperature, sampling.top_p), st)
+            ahead = (sample_next(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p), st)
         if step > 0:
             _record(nxt, out, done, stop)
             if on_step is not None:

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from sparda_jax.programs import LOAD_EVENT
+
 __all__ = ["CompileClock", "DecodeTiming", "StepTimer"]
 
 
@@ -87,7 +89,8 @@ class CompileClock:
 
     KINDS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
              "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
-             "/jax/core/compile/backend_compile_duration": "compile"}
+             "/jax/core/compile/backend_compile_duration": "compile",
+             LOAD_EVENT: "load"}  # a program of the program store, loaded without a trace
     HIT = "/jax/compilation_cache/cache_hits"
 
     def __init__(self, clock: Callable[[], float] | None = None):
@@ -98,6 +101,8 @@ class CompileClock:
         kind = self.KINDS.get(event)
         if kind is not None:
             self.events.append((self.clock(), kind, float(seconds)))
+            if kind == "load":
+                self.events.append((self.clock(), "stored", 1.0))
 
     def _event(self, event: str, **_) -> None:
         if event == self.HIT:
@@ -117,22 +122,25 @@ class CompileClock:
         m.unregister_event_listener(self._event)
 
     def between(self, a: float, b: float) -> dict:
-        """{"trace", "lower", "compile": seconds, "cache_hits": count} of the events that ended in
-        (a, b]."""
-        out = {"trace": 0.0, "lower": 0.0, "compile": 0.0, "cache_hits": 0}
+        """{"trace", "lower", "compile", "load": seconds, "cache_hits", "stored": counts} of the
+        events that ended in (a, b]."""
+        out = {"trace": 0.0, "lower": 0.0, "compile": 0.0, "load": 0.0, "cache_hits": 0, "stored": 0}
         for end, kind, v in self.events:
             if a < end <= b:
-                out[kind] += int(v) if kind == "cache_hits" else v
+                out[kind] += int(v) if kind in ("cache_hits", "stored") else v
         return out
 
 
 def phase_line(name: str, seconds: float, jax_s: dict) -> str:
     """'prefill 3.43 s = trace 0.50 + lower 0.90 + compile 0.05 (2 cached) + the rest 1.98': a first
-    call's seconds split by `CompileClock.between`; the rest is the run and first-use work."""
-    rest = seconds - jax_s["trace"] - jax_s["lower"] - jax_s["compile"]
+    call's seconds split by `CompileClock.between` ('+ load 0.20 (3 stored)' before the rest when
+    programs came from the program store); the rest is the run and first-use work."""
+    load = jax_s.get("load", 0.0)
+    rest = seconds - jax_s["trace"] - jax_s["lower"] - jax_s["compile"] - load
     hits = f" ({jax_s['cache_hits']} cached)" if jax_s["cache_hits"] else ""
+    stored = f" + load {load:.2f} ({jax_s.get('stored', 0)} stored)" if jax_s.get("stored") else ""
     return (f"{name} {seconds:.2f} s = trace {jax_s['trace']:.2f} + lower {jax_s['lower']:.2f} + "
-            f"compile {jax_s['compile']:.2f}{hits} + the rest {rest:.2f}")
+            f"compile {jax_s['compile']:.2f}{hits}{stored} + the rest {rest:.2f}")
 
 
 class StepTimer:

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .config import FORECAST_SOURCES
+from .programs import enable_program_store
 from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, enable_compilation_cache, set_launch_queues, write_result
 
 __all__ = ["main"]
@@ -527,6 +528,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not keep compiled programs and converted checkpoints on disk (default: kept under "
                         "$SPARDA_JAX_CACHE_DIR or ~/.cache/sparda-jax, so a second run skips the first one's "
                         "compiles and weight conversion)")
+    p.add_argument("--no-program-store", dest="program_store", action="store_false",
+                   help="keep XLA's compilation cache but not the program store (sparda_jax.programs: the prefill "
+                        "and decode programs kept with their calling convention, so a second run does not trace "
+                        "them)")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def run_args(p, product: str, *, steps: int, batch: int, micro_batch: int, save_every: int):
@@ -739,6 +744,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--first-token-implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel, with --first-token: run those systems again with these backends forced "
                          "(generate --implementation), e.g. sparse_attention=xla select=xla")
+    bn.add_argument("--first-token-without-store", action="store_true",
+                    help="realmodel, with --first-token: run those systems again with --no-program-store (XLA's "
+                         "compilation cache alone), to compare the warm first token with and without the store")
     bn.add_argument("--first-token", nargs="+", metavar="SYSTEM",
                     help="realmodel: also time `sparda generate` for these systems in fresh processes, cold (an empty "
                          "compilation cache) then warm: process start to the first generated text")
@@ -810,6 +818,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_cache:
         try:
             enable_compilation_cache()
+            if args.program_store:
+                enable_program_store()
         except OSError as e:  # an unwritable cache costs compile time, not the run
             print(f"sparda: warning: {e}; running without the compilation cache", file=sys.stderr)
     try:

@@ -29,6 +29,7 @@ from flax import struct
 
 from .attention import dense_attention
 from .config import ModelConfig
+from .programs import stored_jit
 
 __all__ = [
     "RMSNorm",
@@ -247,7 +248,7 @@ def per_layer(tree):
     return _per_layer(tree)
 
 
-@jax.jit
+@stored_jit
 def _per_layer(tree):
     n = int(jax.tree.leaves(tree)[0].shape[0])
     return tuple(jax.tree.map(lambda a, i=i: a[i], tree) for i in range(n))

@@ -17,7 +17,6 @@ the layer's `DecodeState`.
 
 from __future__ import annotations
 
-import functools
 from typing import Literal, NamedTuple
 
 import jax
@@ -30,6 +29,7 @@ from .forecast import selector_kernels
 from .model import (DecoderLayer, KVCache, check_layers, check_tokens, commit_to_params_device, embed, layer_params,
                     per_layer, rope_tables, stacked, unembed)
 from .pipeline import MODES, Ctx, DecodeState, LayerIn, Plan, PromptKV, layer_step, run_layers
+from .programs import stored_jit
 
 __all__ = ["MODES", "Mode", "LayerView", "forward", "prefill", "decode_step", "DecodeState", "layered_state",
            "stacked_state", "forward_cached", "decode_step_plan", "decode_program"]
@@ -101,7 +101,7 @@ class LayerView(NamedTuple):
     first: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("plan", "return_kv", "return_q", "tap", "return_logits"))
+@stored_jit(static_argnames=("plan", "return_kv", "return_q", "tap", "return_logits"))
 def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool, return_q: bool, tap=None,
              return_logits: bool = True, logits_at=None):
     c = plan.config
@@ -188,7 +188,7 @@ def stacked_state(layers: tuple[DecodeState, ...]) -> DecodeState:
     return stacked(layers)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "cache_size", "sparse_state"))
+@stored_jit(static_argnames=("config", "cache_size", "sparse_state"))
 def _build_state(config: ModelConfig, aux, lengths, cache_size: int, infinigen, sparse_state: bool) -> DecodeState:
     """The decode state from the prefill's K/V (one program: op by op, each pad and compression
     step would be traced and looked up in the compilation cache in every process)."""
@@ -224,12 +224,12 @@ def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mo
     lengths = jnp.asarray(lengths, jnp.int32)
     logits, aux = forward(params, tokens, config, mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype,
                           implementations=implementations, return_kv=True, logits_at=(lengths - 1)[:, None])
-    state = _build_state(config, aux, lengths, cache_size, infinigen if mode == "infinigen" else None,
-                         mode != "dense")
+    state = _build_state(aux=aux, lengths=lengths, infinigen=infinigen if mode == "infinigen" else None,
+                         config=config, cache_size=cache_size, sparse_state=mode != "dense")
     return commit_to_params_device((logits[:, 0], state), params)
 
 
-@functools.partial(jax.jit, static_argnames=("plan",), donate_argnames=("state",))
+@stored_jit(static_argnames=("plan",), donate_argnames=("state",))
 def decode_program(params, tokens, positions, state, forecast, infinigen, *, plan: Plan):
     """The jitted decode step of a `decode_step_plan`: tokens, positions int [B, 1]. state: a
     stacked DecodeState (the layers run as a scan) or a tuple of per-layer ones (a Python loop,

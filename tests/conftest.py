@@ -13,6 +13,16 @@ from sparda_jax.runtime import default_cache_dir, enable_compilation_cache  # no
 enable_compilation_cache(default_cache_dir() / "xla-tests", min_compile_s=0.1)
 
 
+@pytest.fixture(autouse=True)
+def _no_program_store_after_a_test():
+    """`sparda_jax.cli.main` turns the program store on for its process; a test that called it
+    leaves it off again, so the next test's programs are the jit's."""
+    yield
+    from sparda_jax import programs
+
+    programs.disable_program_store()
+
+
 def has_gpu() -> bool:
     try:
         return bool(jax.devices("gpu"))

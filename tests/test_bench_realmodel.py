@@ -148,7 +148,8 @@ def test_bad_input_is_refused_before_any_work(tiny, monkeypatch, capsys):
     monkeypatch.setattr(api, "load_pretrained", no_work)
     for argv, msg in ((["--systems", "fast"], "unknown system(s) ['fast']"),
                       (["--batches", "0"], "a batch must be an integer >= 1, got 0"),
-                      (["--first-token-implementation", "select=xla"], "give --first-token too")):
+                      (["--first-token-implementation", "select=xla"], "give --first-token too"),
+                      (["--first-token-without-store"], "give --first-token too")):
         assert main(["--no-compile-cache", "bench", "realmodel", *argv]) == 2
         assert msg in capsys.readouterr().err
 
@@ -260,6 +261,11 @@ def test_cli_first_token_runs_generate_cold_then_warm_and_keeps_its_lines(monkey
     assert r["implementation"] == ["select=xla"] and r["returncode"] == 0 and r["first_token_s"] is not None
     assert r["load_line"] == "loaded smollm2-135m in 1.0 s"
     assert r["timing_line"].startswith("[40 prompt tokens") and r["first_calls_line"].startswith("[first calls:")
+    assert r["program_store"] and not any("--no-program-store" in c for c, _ in calls)
+    calls.clear()
+    rows = RM.cli_first_token("smollm2-135m", "hello", systems=("sparda",), program_store=False, log=lambda s: None)
+    assert all(c[3] == "--no-program-store" and c[4] == "generate" for c, _ in calls) and len(calls) == 2
+    assert [r["program_store"] for r in rows] == [False, False]
 
 
 def test_forced_backends_reach_every_cell_and_the_json(tiny, monkeypatch):

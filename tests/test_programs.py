@@ -1,0 +1,237 @@
+"""The program store (`sparda_jax.programs`): a later process runs a stored program without
+tracing it, gets what the jit gives, and never runs a program stored for another call."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparda_jax import programs
+from sparda_jax.infer.timing import CompileClock, phase_line
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = programs.enable_program_store(tmp_path / "programs")
+    yield s
+    programs.disable_program_store()
+
+
+def _counted(**jit_kw):
+    """A fresh StoredJit (as a new process has: nothing in memory) and its trace count."""
+    traces = []
+
+    def f(x, state, scale=None, *, n, tag):
+        traces.append(tag)
+        y = x * n + (0.0 if scale is None else scale)
+        return y.sum(), {"a": state["a"] + y, "b": state["b"] * 2}
+
+    return programs.stored_jit(f, static_argnames=("n", "tag"), **jit_kw), traces
+
+
+def _args():
+    return jnp.arange(4.0), {"a": jnp.zeros(4), "b": jnp.ones(4)}
+
+
+def test_a_new_instance_loads_the_stored_program_without_tracing(store):
+    x, st = _args()
+    f1, t1 = _counted()
+    want = jax.jit(lambda x, st, s: (lambda y: (y.sum(), {"a": st["a"] + y, "b": st["b"] * 2}))(x * 3 + s))(x, st, 2.0)
+    got1 = f1(x, st, scale=jnp.float32(2.0), n=3, tag="t")
+    assert len(t1) == 1 and store.stats["compiled"] == 1 and store.stats["stored"] == 1
+    assert len(list(store.directory.glob("*.prog"))) == 1
+    f1(x, st, scale=jnp.float32(2.0), n=3, tag="t")  # in memory now: no second trace
+    assert len(t1) == 1
+    f2, t2 = _counted()
+    got2 = f2(x, st, scale=jnp.float32(2.0), n=3, tag="t")
+    assert t2 == [] and store.stats["loaded"] == 1
+    for got in (got1, got2):
+        jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize("change", ["static", "shape", "dtype", "weak type", "tree", "source"])
+def test_a_call_that_differs_gets_its_own_program(store, change, monkeypatch):
+    """Every part of the key separates programs: a static value, a shape, a dtype, a weak type,
+    the argument tree, the package's source. The changed call traces and compiles anew."""
+    x, st = _args()
+    f, traces = _counted()
+    f(x, st, scale=jnp.float32(2.0), n=3, tag="t")
+    kw = dict(scale=jnp.float32(2.0), n=3, tag="t")
+    if change == "static":
+        kw["n"] = 4
+    elif change == "shape":
+        x, st = jnp.arange(5.0), {"a": jnp.zeros(5), "b": jnp.ones(5)}
+    elif change == "dtype":
+        kw["scale"] = jnp.bfloat16(2.0)
+    elif change == "weak type":
+        kw["scale"] = jax.jit(lambda: 2.0)()  # a weak-typed float32 scalar
+    elif change == "tree":
+        kw.pop("scale")
+    elif change == "source":
+        monkeypatch.setattr(programs, "source_hash", lambda: "another source")
+    g, traces2 = _counted()  # nothing in memory: the store decides
+    g(x, st, **kw)
+    assert len(traces2) == 1, change
+    assert store.stats["compiled"] == 2 and len(list(store.directory.glob("*.prog"))) == 2
+
+
+def test_calls_the_key_cannot_describe_go_through_the_jit(store):
+    """A static whose repr is an address, a static passed by position and a call under a trace
+    are the jit's: same results, nothing written."""
+    def body(x, fn):
+        return fn(x) + 1
+
+    f = programs.stored_jit(body, static_argnames=("fn",))
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(f(x, fn=jnp.tanh), jnp.tanh(x) + 1)     # <function ... at 0x...>
+    np.testing.assert_array_equal(f(x, jnp.tanh), jnp.tanh(x) + 1)        # by position
+    np.testing.assert_array_equal(jax.jit(lambda x: f(x, fn=jnp.tanh))(x), jnp.tanh(x) + 1)  # tracers
+    assert list(store.directory.glob("*.prog")) == [] and store.stats["unkeyed"] == 1
+
+
+def test_donation_is_kept(store):
+    x, st = _args()
+    f, _ = _counted(donate_argnames=("state",))
+    f(x, st, n=1, tag="d")
+    assert st["a"].is_deleted()
+    g, traces = _counted(donate_argnames=("state",))
+    st2 = {"a": jnp.zeros(4), "b": jnp.ones(4)}
+    g(x, st2, n=1, tag="d")
+    assert traces == [] and st2["a"].is_deleted()
+
+
+def test_an_unreadable_file_is_replaced(store):
+    x, st = _args()
+    f, _ = _counted()
+    want = f(x, st, n=2, tag="c")
+    (path,) = store.directory.glob("*.prog")
+    path.write_bytes(path.read_bytes()[:100])  # a truncated write
+    g, traces = _counted()
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        got = g(x, st, n=2, tag="c")
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert len(traces) == 1 and store.stats["discarded"] == 1 and path.stat().st_size > 100
+
+
+def test_a_stored_program_that_cannot_run_is_compiled_again(store, monkeypatch):
+    """A program that loads but fails at its dispatch (as an executable serialized without its
+    code does: "Function ... not found") is removed, compiled again and run: the call succeeds."""
+    x, st = _args()
+    f, _ = _counted()
+    want = f(x, st, n=3, tag="r")
+
+    def broken(*a, **k):
+        raise jax.errors.JaxRuntimeError("INTERNAL: Error dispatching computation: Function fusion not found")
+
+    monkeypatch.setattr(store, "load", lambda name, key: broken)
+    g, traces = _counted()
+    with pytest.warns(UserWarning, match="could not be loaded or run"):
+        got = g(x, st, n=3, tag="r")
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert len(traces) == 1 and store.stats["discarded"] == 1 and store.stats["compiled"] == 2
+
+
+def test_the_store_keeps_to_its_size(tmp_path):
+    s = programs.enable_program_store(tmp_path / "p", max_bytes=1)
+    try:
+        x, st = _args()
+        for n in (1, 2, 3):
+            f, _ = _counted()
+            f(x, st, n=n, tag="s")
+        assert len(list(s.directory.glob("*.prog"))) == 1  # the newest stays
+    finally:
+        programs.disable_program_store()
+
+
+def test_without_a_store_it_is_the_jit():
+    assert programs.program_store() is None
+    f, traces = _counted()
+    x, st = _args()
+    f(x, st, n=2, tag="j")
+    f(x, st, n=2, tag="j")
+    assert len(traces) == 1 and f.lower(x, st, n=2, tag="j") is not None
+
+
+def test_the_first_calls_line_counts_loads(store):
+    x, st = _args()
+    f, _ = _counted()
+    f(x, st, n=5, tag="l")
+    g, _ = _counted()
+    with CompileClock() as clock:
+        a = clock.clock()
+        g(x, st, n=5, tag="l")
+        b = clock.clock()
+    split = clock.between(a, b)
+    assert split["stored"] == 1 and split["load"] > 0 and split["trace"] == 0
+    assert " + load " in phase_line("prefill", b - a, split) and "(1 stored)" in phase_line("prefill", b - a, split)
+
+
+SCRIPT = r"""
+import json, sys
+import jax, jax.numpy as jnp
+from sparda_jax import get_preset, init_forecast, init_model, programs, runtime
+from sparda_jax.infer.engine import EngineConfig
+from sparda_jax.infer.generate import SamplingConfig, generate
+runtime.enable_compilation_cache(sys.argv[1])
+if sys.argv[2] == "store":
+    programs.enable_program_store(sys.argv[3])
+c = get_preset("tiny")
+params, forecast = init_model(c, jax.random.key(0)), init_forecast(c, jax.random.key(2))
+prompts = [list(range(1, 70)), list(range(5, 60))]
+out = {}
+for system, per_call in (("sparda", 3), ("dense_resident", 1)):
+    out[system] = generate(params, c, prompts, SamplingConfig(max_new_tokens=8, temperature=0.0), forecast=forecast,
+                           engine=EngineConfig(system), steps_per_call=per_call)
+s = programs.program_store()
+print(json.dumps({"tokens": out, "stats": s.stats if s else None}))
+"""
+
+
+@pytest.mark.slow
+def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_path):
+    """Three processes share XLA's persistent cache: the first without a store (it fills that
+    cache, so the second's compiles are cache hits, whose executables serialize without their
+    code on the CPU unless compiled afresh), the second stores, the third loads every program
+    and compiles none. All three generate the same tokens with sparda and dense_resident."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def run(*args):
+        p = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "xla"), *args], capture_output=True,
+                           text=True, env=env, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(p.stdout.strip().splitlines()[-1])
+
+    ref = run("none")
+    first = run("store", str(tmp_path / "programs"))
+    second = run("store", str(tmp_path / "programs"))
+    assert first["stats"]["compiled"] >= 4 and first["stats"]["stored"] == first["stats"]["compiled"]
+    assert second["stats"]["compiled"] == 0 and second["stats"]["loaded"] == first["stats"]["stored"]
+    assert ref["tokens"] == first["tokens"] == second["tokens"]
+    assert all(len(t) == 8 for seqs in ref["tokens"].values() for t in seqs)
+
+
+def test_cli_turns_the_store_on_and_off(tmp_path, monkeypatch):
+    from sparda_jax import cli
+
+    monkeypatch.setenv("SPARDA_JAX_CACHE_DIR", str(tmp_path))
+    try:
+        assert cli.main(["info", "--model", "tiny"]) == 0
+        assert programs.program_store().directory == tmp_path / "programs"
+        programs.disable_program_store()
+        assert cli.main(["--no-compile-cache", "info", "--model", "tiny"]) == 0
+        assert programs.program_store() is None
+        assert cli.main(["--no-program-store", "info", "--model", "tiny"]) == 0
+        assert programs.program_store() is None
+    finally:
+        programs.disable_program_store()
+        from sparda_jax.runtime import default_cache_dir, enable_compilation_cache
+
+        monkeypatch.delenv("SPARDA_JAX_CACHE_DIR")
+        enable_compilation_cache(default_cache_dir() / "xla-tests", min_compile_s=0.1)  # conftest's

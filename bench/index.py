@@ -119,6 +119,9 @@ FILES = {
                                        "(the 110 s budget skipped SparDA at 8K)",
     "realmodel/backends_xla.json": "the same run's second grid, sparse attention and selection forced to XLA, and "
                                    "`sparda generate` cold / warm with the default backends and with XLA forced",
+    "realmodel/program_store_cpu.json": "on the CPU (2 cores, float32, 1K prompt): `sparda generate` cold / warm with "
+                                        "the program store and without it (--first-token-without-store); the warm "
+                                        "first calls' trace + lower is what the store removes",
 }
 
 

@@ -44,6 +44,7 @@ from sparda_jax.runtime import warn_if_default_launch_queues
 from sparda_jax.kernels.kv_copy import (FFI_IMPLEMENTATIONS, KVCopyConfig, after_start, autotune_num_ctas,
                                         build_in_background, gather_blocks, gather_blocks_start, gather_blocks_wait, host_pool, join_tokens,
                                         lane_ctas, paper_num_ctas, resolve_implementation, scatter_blocks)
+from sparda_jax.kernels.kv_copy.cuda import register as register_copy_targets
 
 from .blockcache import assign_slots
 from .generate import sample_next
@@ -522,6 +523,8 @@ def resolve(params, positions, state, config: ModelConfig, engine: EngineConfig,
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
                          "(local_blocks * block_size >= kernel_size)")
     copy = resolve_implementation(engine.implementations.kv_copy)
+    if copy in FFI_IMPLEMENTATIONS:  # here, not only while tracing: a stored program runs untraced
+        register_copy_targets(copy)
     if copy == "cuda":
         warn_if_default_launch_queues(config.num_layers)
     num_ctas = engine.num_ctas

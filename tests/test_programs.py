@@ -177,6 +177,7 @@ SCRIPT = r"""
 import json, sys
 import jax, jax.numpy as jnp
 from sparda_jax import get_preset, init_forecast, init_model, programs, runtime
+from sparda_jax.config import Implementations
 from sparda_jax.infer.engine import EngineConfig
 from sparda_jax.infer.generate import SamplingConfig, generate
 runtime.enable_compilation_cache(sys.argv[1])
@@ -186,9 +187,13 @@ c = get_preset("tiny")
 params, forecast = init_model(c, jax.random.key(0)), init_forecast(c, jax.random.key(2))
 prompts = [list(range(1, 70)), list(range(5, 60))]
 out = {}
-for system, per_call in (("sparda", 3), ("dense_resident", 1)):
-    out[system] = generate(params, c, prompts, SamplingConfig(max_new_tokens=8, temperature=0.0), forecast=forecast,
-                           engine=EngineConfig(system), steps_per_call=per_call)
+# sparda twice: with the reference copy and with the CPU twin of the CUDA copy's FFI calls, whose
+# targets a loaded program needs registered without a trace
+for name, system, per_call, copy in (("sparda", "sparda", 3, None), ("sparda_ffi", "sparda", 3, "host_ffi"),
+                                     ("dense_resident", "dense_resident", 1, None)):
+    engine = EngineConfig(system, implementations=Implementations(kv_copy=copy))
+    out[name] = generate(params, c, prompts, SamplingConfig(max_new_tokens=8, temperature=0.0), forecast=forecast,
+                         engine=engine, steps_per_call=per_call)
 s = programs.program_store()
 print(json.dumps({"tokens": out, "stats": s.stats if s else None}))
 """
@@ -199,7 +204,8 @@ def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_pat
     """Three processes share XLA's persistent cache: the first without a store (it fills that
     cache, so the second's compiles are cache hits, whose executables serialize without their
     code on the CPU unless compiled afresh), the second stores, the third loads every program
-    and compiles none. All three generate the same tokens with sparda and dense_resident."""
+    and compiles none. All three generate the same tokens with sparda (its copy by XLA and by the
+    CPU twin of the CUDA copy's FFI calls) and dense_resident."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
 
     def run(*args):

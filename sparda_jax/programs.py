@@ -91,12 +91,23 @@ class ProgramStore:
         return program
 
     def discard(self, name: str, key: str, why: Exception) -> None:
-        """Remove a stored program that could not be loaded or run, saying so."""
+        """Remove a stored program that could not be loaded or run, saying so, and mark its key:
+        later calls of it go through the jit (and XLA's cache), so a program this backend cannot
+        store costs one extra compile, not one every run."""
         p = self.path(name, key)
         warnings.warn(f"program store: {p.name} could not be loaded or run ({type(why).__name__}: "
-                      f"{str(why)[:300]}); it is removed and the program compiled again", stacklevel=4)
+                      f"{str(why)[:300]}); it is removed and the program compiled by the jit from now on",
+                      stacklevel=4)
         self.stats["discarded"] += 1
         p.unlink(missing_ok=True)
+        try:
+            p.with_suffix(".refused").write_text(f"{type(why).__name__}: {why}\n")
+        except OSError:
+            pass
+
+    def refused(self, name: str, key: str) -> bool:
+        """Whether this key's program failed once (`discard`): not stored again."""
+        return self.path(name, key).with_suffix(".refused").exists()
 
     def store(self, name: str, key: str, compiled) -> bool:
         """Write `compiled` (False where it cannot be serialized: the program still runs)."""
@@ -286,20 +297,27 @@ class StoredJit:
             return self.jitted(*args, **kwargs)
         if program is not None:
             return program(*args, **dynamic)
+        jit = functools.partial(self.jitted, **statics)
         try:
             key = self._key(statics, tree, sigs)
         except _Unkeyable:
             store.stats["unkeyed"] += 1
-            program = self._programs[call_key] = functools.partial(self.jitted, **statics)
+            program = self._programs[call_key] = jit
             return program(*args, **dynamic)
-        program = store.load(self.name, key)
+        program = None if store.refused(self.name, key) else store.load(self.name, key)
+        if program is None and store.refused(self.name, key):  # before, or just now by load
+            store.stats["unkeyed"] += 1
+            program = self._programs[call_key] = jit
+            return program(*args, **dynamic)
         if program is not None:
-            try:  # a program that loads but cannot run (its dispatch fails at once) is compiled again
+            try:  # a program that loads but cannot run (its dispatch fails at once) goes to the jit
                 out = program(*args, **dynamic)
                 self._programs[call_key] = program
                 return out
             except jax.errors.JaxRuntimeError as e:
                 store.discard(self.name, key, e)
+                program = self._programs[call_key] = jit
+                return program(*args, **dynamic)
         program = self._programs[call_key] = self._compile(store, key, args, statics, dynamic)
         return program(*args, **dynamic)
 

@@ -1,10 +1,9 @@
 """Compiled programs kept on disk with their calling convention, loaded without tracing.
 
 JAX's persistent compilation cache is consulted only after a function has been traced and
-lowered, so a warm process still pays Python for every program it calls: on the H200 most of a
-warm `sparda generate`'s first calls is the trace and lowering of the Mosaic kernels and of the
-decode step's unrolled layers (docs/decisions.md, "Compiled programs stored with their calling
-convention"). A `ProgramStore` keeps the compiled executable itself
+lowered, so a warm process still pays Python for every program it calls (the engine's: the
+Mosaic kernels' Pallas bodies and the decode step's unrolled layers; docs/decisions.md, "Compiled
+programs stored with their calling convention"). A `ProgramStore` keeps the compiled executable itself
 (`jax.experimental.serialize_executable`) under a key computed from the call alone, so a later
 process loads it and calls it.
 
@@ -14,10 +13,11 @@ XLA_* environment, each static argument's type and repr, and each dynamic argume
 shape, dtype, weak type, sharding and commitment. Calls the key cannot describe safely go
 through `jax.jit` as before: under a trace (arguments are tracers), an array not on one device,
 a static argument passed by position or whose repr names a memory address (a function, an
-object without a value repr). A stored file that cannot be read is deleted and compiled again.
+object without a value repr). A stored program that cannot be loaded or dispatched is removed
+and its key left to the jit from then on.
 
 The store is off unless `enable_program_store` is called (the CLI does, beside the compilation
-cache; `--no-compile-cache` turns both off). Files are loaded with pickle: the store's directory
+cache; `--no-compile-cache` turns both off, `--no-program-store` this one). Files are loaded with pickle: the store's directory
 must be as trusted as the code (it is the user's own cache).
 """
 

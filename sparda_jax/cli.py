@@ -818,10 +818,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile_cache:
         try:
             enable_compilation_cache()
-            if args.program_store:
-                enable_program_store()
         except OSError as e:  # an unwritable cache costs compile time, not the run
             print(f"sparda: warning: {e}; running without the compilation cache", file=sys.stderr)
+        try:
+            if args.program_store:
+                enable_program_store()
+        except OSError as e:
+            print(f"sparda: warning: {e}; running without the program store", file=sys.stderr)
     try:
         return args.fn(args)
     except (FileNotFoundError, ValueError, TypeError) as e:  # ConfigError is a ValueError

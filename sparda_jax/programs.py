@@ -30,6 +30,8 @@ import importlib.util
 import inspect
 import os
 import pickle
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -41,37 +43,45 @@ __all__ = ["ProgramStore", "enable_program_store", "disable_program_store", "pro
 FORMAT = 1  # of a stored file: (FORMAT, key, payload, in_tree, out_tree, device ids)
 LOAD_EVENT = "/sparda/program_store/load_duration"    # seconds to read and load one stored program
 STORE_EVENT = "/sparda/program_store/store_duration"  # seconds to serialize and write one
-# the package's folders whose Python a traced program runs (pyproject's package-dir)
-SOURCE_PACKAGES = ("sparda_jax", "sparda_jax.kernels", "sparda_jax.train", "sparda_jax.infer", "sparda_jax.eval",
-                   "sparda_jax.bench")
+# The folders whose Python generate's programs trace (pyproject's package-dir), the CLI module left
+# out: editing the benchmarks, the evaluation or the command line leaves stored programs valid.
+# A static argument of a type defined elsewhere brings its own module's file into the key.
+SOURCE_PACKAGES = ("sparda_jax", "sparda_jax.kernels", "sparda_jax.infer", "sparda_jax.train")
+SOURCE_LEFT_OUT = ("sparda_jax/cli.py",)
 # jax settings that do not change what a trace makes (where programs are cached, what is logged)
 _SETTINGS_IGNORED = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache",
                      "jax_raise_persistent_cache", "jax_log_", "jax_logging", "jax_debug_log", "jax_explain_cache")
+# the dispatch failure of an executable serialized without its code (XLA CPU: "Function ... not found")
+_NO_CODE = "not found"
+_MEMO_LIMIT = 256  # call signatures kept in memory per function (the jit's own caches are bounded too)
 
 _store: ProgramStore | None = None
 
 
 class ProgramStore:
     """A folder of compiled programs, `<function>-<key>.prog`, the least recently used removed
-    once they hold more than `max_bytes`. `stats`: this process's loads, stores and refusals."""
+    once they hold more than `max_bytes`. `stats`: this process's loads, stores and refusals.
+    File operations race with other processes using the folder: each is best effort."""
 
     def __init__(self, directory: str | os.PathLike, *, max_bytes: int = 4 << 30):
         if max_bytes < 1:
             raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.directory = Path(directory)
         self.max_bytes = int(max_bytes)
-        self.stats = {"loaded": 0, "stored": 0, "compiled": 0, "unkeyed": 0, "discarded": 0}
+        self.sources = _Sources.now()  # the package's code as this process loaded it (near enough)
+        self.stats = {"loaded": 0, "stored": 0, "compiled": 0, "unkeyed": 0, "discarded": 0, "not_stored": 0}
 
     def path(self, name: str, key: str) -> Path:
         return self.directory / f"{name.rsplit('.', 1)[-1].strip('_')}-{key[:40]}.prog"
 
     def load(self, name: str, key: str):
-        """The stored program (a `jax.stages.Compiled`) or None; an unreadable file is removed."""
+        """The stored program (a `jax.stages.Compiled`) or None. A file that cannot be loaded
+        is removed and its key refused (`discard`), unless the failure was for want of memory."""
         p = self.path(name, key)
         t0 = time.perf_counter()
         try:
             data = p.read_bytes()
-        except FileNotFoundError:
+        except OSError:  # none stored (or removed by another process meanwhile)
             return None
         from jax.experimental import serialize_executable
 
@@ -82,10 +92,15 @@ class ProgramStore:
             by_id = {d.id: d for d in jax.devices()}
             program = serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
                                                                 execution_devices=[by_id[i] for i in ids])
-        except Exception as e:  # a truncated write, another jaxlib's format, a stale device: compile again
+        except Exception as e:  # a truncated file, another jaxlib's format, a stale device
+            if any(m in str(e) for m in ("RESOURCE_EXHAUSTED", "out of memory")):
+                return None  # a passing shortage: compiled now, the file kept
             self.discard(name, key, e)
             return None
-        os.utime(p)  # recently used: pruned last
+        try:
+            os.utime(p)  # recently used: pruned last
+        except OSError:
+            pass
         self.stats["loaded"] += 1
         jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - t0)
         return program
@@ -99,8 +114,8 @@ class ProgramStore:
                       f"{str(why)[:300]}); it is removed and the program compiled by the jit from now on",
                       stacklevel=4)
         self.stats["discarded"] += 1
-        p.unlink(missing_ok=True)
         try:
+            p.unlink(missing_ok=True)
             p.with_suffix(".refused").write_text(f"{type(why).__name__}: {why}\n")
         except OSError:
             pass
@@ -110,9 +125,13 @@ class ProgramStore:
         return self.path(name, key).with_suffix(".refused").exists()
 
     def store(self, name: str, key: str, compiled) -> bool:
-        """Write `compiled` (False where it cannot be serialized: the program still runs)."""
+        """Write `compiled`; False where it cannot be serialized or written, or where the
+        package's files changed since the store was opened (the program still runs)."""
         from jax.experimental import serialize_executable
 
+        if self.sources.changed():
+            self.stats["not_stored"] += 1
+            return False
         t0 = time.perf_counter()
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
@@ -121,7 +140,7 @@ class ProgramStore:
             ids = sorted({d.id for s in shardings for d in s.device_set})
             data = pickle.dumps((FORMAT, key, payload, in_tree, out_tree, ids))
         except Exception:  # closed-over constants, an unpicklable tree node: kept in memory only
-            self.stats["unkeyed"] += 1
+            self.stats["not_stored"] += 1
             return False
         p = self.path(name, key)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
@@ -139,19 +158,35 @@ class ProgramStore:
         return True
 
     def prune(self) -> None:
-        files = sorted(self.directory.glob("*.prog"), key=lambda f: f.stat().st_mtime)
-        total = sum(f.stat().st_size for f in files)
-        for f in files[:-1]:  # the newest stays, even if larger than the bound
+        """Remove the least recently used programs past max_bytes (the newest stays), and
+        temporary files an interrupted write left an hour ago or more."""
+        now, files = time.time(), []
+        for f in self.directory.iterdir():
+            try:
+                st = f.stat()
+            except OSError:  # removed by another process meanwhile
+                continue
+            if f.suffix == ".prog":
+                files.append((st.st_mtime, st.st_size, f))
+            elif f.name.endswith(".tmp") and now - st.st_mtime > 3600:
+                f.unlink(missing_ok=True)
+        files.sort()
+        total = sum(size for _, size, _ in files)
+        for _, size, f in files[:-1]:
             if total <= self.max_bytes:
                 break
-            total -= f.stat().st_size
-            f.unlink(missing_ok=True)
+            total -= size
+            try:
+                f.unlink(missing_ok=True)
+            except OSError:
+                pass
 
 
 def enable_program_store(directory: str | os.PathLike | None = None, *, max_bytes: int = 4 << 30) -> ProgramStore:
     """Keep programs of `stored_jit` functions under `directory` (None: the cache folder's
-    programs/, `runtime.default_cache_dir()`) for this process and later ones. Raises OSError
-    naming the folder when it cannot be created or written."""
+    programs/, `runtime.default_cache_dir()`) for this process and later ones. Call it at the
+    start of a process: the package's source is hashed now, and nothing is stored once a file
+    of it changes. Raises OSError naming the folder when it cannot be created or written."""
     global _store  # one per process, like jax's own compilation cache setting
     from .runtime import default_cache_dir
 
@@ -177,28 +212,67 @@ def program_store() -> ProgramStore | None:
     return _store
 
 
+class _Sources:
+    """The package's traced Python: one hash of paths and contents, and each file's mtime."""
+
+    def __init__(self, digest: str, mtimes: dict):
+        self.digest, self.mtimes = digest, mtimes
+
+    @classmethod
+    def now(cls) -> _Sources:
+        h, mtimes = hashlib.sha256(), {}
+        for pkg in SOURCE_PACKAGES:
+            spec = importlib.util.find_spec(pkg)
+            for root in spec.submodule_search_locations or ():
+                for f in sorted(Path(root).rglob("*.py")):
+                    rel = f"{pkg.replace('.', '/')}/{f.relative_to(root)}"
+                    if rel in SOURCE_LEFT_OUT:
+                        continue
+                    h.update(f"{rel}\0".encode())
+                    h.update(f.read_bytes())
+                    mtimes[f] = f.stat().st_mtime_ns
+        return cls(h.hexdigest(), mtimes)
+
+    def changed(self) -> bool:
+        for f, m in self.mtimes.items():
+            try:
+                if f.stat().st_mtime_ns != m:
+                    return True
+            except OSError:
+                return True
+        return False
+
+
 @functools.cache
-def source_hash() -> str:
-    """SHA-256 over the package's Python files (paths and contents)."""
-    h = hashlib.sha256()
-    for pkg in SOURCE_PACKAGES:
-        spec = importlib.util.find_spec(pkg)
-        for root in spec.submodule_search_locations or ():
-            for f in sorted(Path(root).rglob("*.py")):
-                h.update(f"{pkg}/{f.relative_to(root)}\0".encode())
-                h.update(f.read_bytes())
-    return h.hexdigest()
+def _file_digest(path: str) -> str:
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return "unreadable"
 
 
-def _environment() -> str:
+def _type_source(v, sources: _Sources) -> str:
+    """The hash of the file defining a static argument's type, when it is not one of the
+    package's hashed files (a tap defined in a script, say); "" otherwise."""
+    module = sys.modules.get(type(v).__module__)
+    f = getattr(module, "__file__", None)
+    if f is None or Path(f) in sources.mtimes or type(v).__module__ == "builtins":
+        return ""
+    return _file_digest(f)
+
+
+def _environment(sources: _Sources) -> str:
+    import flax
     import jaxlib
+    import numpy
 
     backend = jax.devices()[0].client
     settings = sorted((k, repr(v)) for k, v in jax.config.values.items() if not k.startswith(_SETTINGS_IGNORED))
-    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("JAX_", "XLA_")))
+    # XLA_FLAGS and jax's own variables; not XLA_PYTHON_CLIENT_* (the allocator's, not the compiler's)
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith("JAX_") or k == "XLA_FLAGS")
     devices = [(d.id, d.platform, d.device_kind) for d in jax.devices()]
-    return repr((source_hash(), jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version,
-                 devices, settings, env))
+    return repr((sources.digest, jax.__version__, jaxlib.__version__, flax.__version__, numpy.__version__,
+                 sys.version, backend.platform, backend.platform_version, devices, settings, env))
 
 
 try:  # the concrete jax.Array type: `type(x) is` costs a tenth of the ABC's isinstance
@@ -235,44 +309,87 @@ class _NoFreshCompile(Exception):
     pass
 
 
+_FRESH_LOCK = threading.Lock()  # one fresh compile at a time: each sets a process-wide decision
+_compiles = threading.local()   # this thread's compile events while a fresh compile is open
+_listening = False
+_COMPILED = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+
+def _on_duration(event: str, seconds: float, **_) -> None:
+    seen = getattr(_compiles, "seen", None)
+    if seen is not None and event == _COMPILED:
+        seen.add("compiled")
+
+
+def _on_event(event: str, **_) -> None:
+    seen = getattr(_compiles, "seen", None)
+    if seen is not None and event == _CACHE_HIT:
+        seen.add("cache hit")
+
+
 @contextlib.contextmanager
 def _fresh_compile():
-    """Compile without XLA's persistent cache: an executable it hands back serializes without
-    its code on the CPU (the stored program loads, then fails to run: "Function ... not found").
-    jax decides once per process whether it uses the cache (`compilation_cache._cache_used`);
-    no public setting turns it off for one compile, so this sets that decision for the block."""
+    """Compile without XLA's persistent cache and say whether XLA really compiled: yields a set
+    that holds "compiled" (and not "cache hit") only then. An executable the persistent cache
+    hands back serializes without its code on the CPU (it loads, then fails to run: "Function
+    ... not found"), and so does one the jit already holds in memory from there. jax decides
+    once per process whether it uses the cache (`compilation_cache._cache_used`); no public
+    setting turns it off for one compile, so this sets that decision for the block, under a
+    lock (jit compiles of other threads meanwhile skip the cache too: slower, not wrong)."""
+    global _listening
     try:
         from jax._src import compilation_cache as cc
 
         lock, _ = cc._cache_initialized_mutex, (cc._cache_checked, cc._cache_used)
     except (ImportError, AttributeError) as e:
         raise _NoFreshCompile from e
-    with lock:
-        saved = cc._cache_checked, cc._cache_used
-        cc._cache_checked, cc._cache_used = True, False
-    try:
-        yield
-    finally:
+    with _FRESH_LOCK:
+        if not _listening:  # listeners run in the thread that compiles; registered once a process
+            jax.monitoring.register_event_duration_secs_listener(_on_duration)
+            jax.monitoring.register_event_listener(_on_event)
+            _listening = True
         with lock:
-            cc._cache_checked, cc._cache_used = saved
+            saved = cc._cache_checked, cc._cache_used
+            cc._cache_checked, cc._cache_used = True, False
+        _compiles.seen = set()
+        try:
+            yield _compiles.seen
+        finally:
+            _compiles.seen = None
+            with lock:
+                cc._cache_checked, cc._cache_used = saved
+
+
+def _trace_context():
+    """jax's thread-local settings a jit keys its own cache on (precision, x64, ...)."""
+    try:
+        from jax._src import config
+
+        return config.trace_context()
+    except (ImportError, AttributeError):  # another jax: then only the settings at key time count
+        return None
 
 
 class StoredJit:
     """`jax.jit(fn, ...)` whose compiled programs go through the `program_store()` when one is
     enabled (the module docstring says when a call does not); without one, exactly the jit.
-    `lower`, `trace` and the jit's other attributes are the jit's."""
+    `lower`, `trace` and the jit's other attributes are the jit's. A function with a closure or
+    defined inside another is never stored: its code is not all of what it computes."""
 
     def __init__(self, fn, *, static_argnames=(), donate_argnames=()):
         self.jitted = jax.jit(fn, static_argnames=static_argnames, donate_argnames=donate_argnames)
         self.name = f"{fn.__module__}.{fn.__qualname__}"
         self.static_argnames = frozenset(static_argnames)
+        self.storable = not getattr(fn, "__closure__", None) and "<locals>" not in fn.__qualname__
         params = list(inspect.signature(fn).parameters.values())
         positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         # positional arguments past this many would include a static one: not keyed
         self._max_positional = min([positional.index(n) for n in self.static_argnames if n in positional],
                                    default=len(positional))
         self._programs: dict = {}  # call signature -> a Compiled, or the jit with the statics bound
-        self._owner: ProgramStore | None = None  # the store self._programs came from
+        self._last: dict = {}      # (statics, context, tree) -> the last program: Compiled checks the rest
+        self._owner: ProgramStore | None = None  # the store these came from
         functools.update_wrapper(self, fn)
 
     def __getattr__(self, attr):
@@ -280,68 +397,89 @@ class StoredJit:
 
     def __call__(self, *args, **kwargs):
         store = _store
-        if store is None or len(args) > self._max_positional:
+        if store is None or not self.storable or len(args) > self._max_positional:
             return self.jitted(*args, **kwargs)
+        if self._owner is not store:  # another store: its programs (and memory) only
+            self._programs, self._last, self._owner = {}, {}, store
         statics = {k: v for k, v in kwargs.items() if k in self.static_argnames}
         dynamic = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
         leaves, tree = jax.tree.flatten((args, dynamic))
+        try:
+            fast_key = (tuple(sorted(statics.items())), _trace_context(), tree)
+            fast = self._last.get(fast_key)
+        except TypeError:  # an unhashable static: the jit raises its own error
+            return self.jitted(*args, **kwargs)
+        if fast is not None:
+            try:  # a Compiled checks shapes, dtypes and shardings itself, before it runs anything
+                return fast(*args, **dynamic)
+            except (TypeError, ValueError):
+                pass
         sigs = tuple(_leaf_signature(x) for x in leaves)
         if any(s is None for s in sigs):
             return self.jitted(*args, **kwargs)
-        if self._owner is not store:  # another store: its programs (and memory) only
-            self._programs, self._owner = {}, store
-        try:
-            call_key = (tuple(sorted(statics.items())), tree, sigs)
-            program = self._programs.get(call_key)
-        except TypeError:  # an unhashable static: the jit raises its own error
-            return self.jitted(*args, **kwargs)
-        if program is not None:
-            return program(*args, **dynamic)
+        call_key = (fast_key, sigs)
+        program = self._programs.get(call_key)
+        ran = False
+        if program is None:
+            program, ran, out = self._find(store, statics, tree, sigs, args, dynamic)
+            if len(self._programs) >= _MEMO_LIMIT:
+                self._programs.clear()
+            self._programs[call_key] = program
+        self._last[fast_key] = program
+        return out if ran else program(*args, **dynamic)
+
+    def _find(self, store: ProgramStore, statics, tree, sigs, args, dynamic):
+        """(program, ran, out) for a call not in memory: the program loaded, or compiled and
+        stored, or the jit; ran: finding it ran the call already (a loaded program's first
+        call), with the result out."""
         jit = functools.partial(self.jitted, **statics)
         try:
-            key = self._key(statics, tree, sigs)
+            key = self._key(statics, tree, sigs, store.sources)
         except _Unkeyable:
             store.stats["unkeyed"] += 1
-            program = self._programs[call_key] = jit
-            return program(*args, **dynamic)
+            return jit, False, None
         program = None if store.refused(self.name, key) else store.load(self.name, key)
         if program is None and store.refused(self.name, key):  # before, or just now by load
             store.stats["unkeyed"] += 1
-            program = self._programs[call_key] = jit
-            return program(*args, **dynamic)
-        if program is not None:
-            try:  # a program that loads but cannot run (its dispatch fails at once) goes to the jit
-                out = program(*args, **dynamic)
-                self._programs[call_key] = program
-                return out
-            except jax.errors.JaxRuntimeError as e:
-                store.discard(self.name, key, e)
-                program = self._programs[call_key] = jit
-                return program(*args, **dynamic)
-        program = self._programs[call_key] = self._compile(store, key, args, statics, dynamic)
-        return program(*args, **dynamic)
+            return jit, False, None
+        if program is None:
+            return self._compile(store, key, jit, args, statics, dynamic), False, None
+        try:  # its first call, awaited (its failure may come after the dispatch): one that cannot run goes to the jit
+            return program, True, jax.block_until_ready(program(*args, **dynamic))
+        except jax.errors.JaxRuntimeError as e:
+            if _NO_CODE not in str(e):  # a real failure of the program (memory, ...): the caller's
+                raise
+            store.discard(self.name, key, e)
+            if any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((args, dynamic))):
+                raise RuntimeError(f"program store: a stored {self.name} failed to dispatch ({e}) after its "
+                                   "donated arguments were consumed; run again (its key is refused now) or "
+                                   "turn the store off (--no-program-store)") from e
+            return jit, True, jit(*args, **dynamic)
 
-    def _compile(self, store: ProgramStore, key: str, args, statics, dynamic):
+    def _compile(self, store: ProgramStore, key: str, jit, args, statics, dynamic):
         lowered = self.jitted.lower(*args, **statics, **dynamic)
         try:
-            with _fresh_compile():
+            with _fresh_compile() as seen:
                 program = lowered.compile()
-        except _NoFreshCompile:  # another jax: the program runs, but is not stored
+        except _NoFreshCompile:  # another jax: the jit runs it, nothing is stored
             store.stats["unkeyed"] += 1
-            return lowered.compile()
+            return jit
         store.stats["compiled"] += 1
-        store.store(self.name, key, program)
+        if seen == {"compiled"}:  # XLA compiled it now: not an executable from a cache
+            store.store(self.name, key, program)
+        else:
+            store.stats["not_stored"] += 1
         return program
 
-    def _key(self, statics, tree, sigs) -> str:
+    def _key(self, statics, tree, sigs, sources: _Sources) -> str:
         static_part = []
         for name in sorted(statics):
             v = statics[name]
             r = repr(v)
             if " at 0x" in r:  # a repr naming an address says nothing about the value
                 raise _Unkeyable(name)
-            static_part.append((name, f"{type(v).__module__}.{type(v).__qualname__}", r))
-        text = repr((FORMAT, self.name, _environment(), static_part, str(tree), sigs))
+            static_part.append((name, f"{type(v).__module__}.{type(v).__qualname__}", r, _type_source(v, sources)))
+        text = repr((FORMAT, self.name, _environment(sources), static_part, str(tree), sigs))
         return hashlib.sha256(text.encode()).hexdigest()
 
 

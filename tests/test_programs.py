@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -24,16 +25,23 @@ def store(tmp_path):
     programs.disable_program_store()
 
 
+TRACES: list = []
+
+
+def _f(x, state, scale=None, *, n, tag):
+    TRACES.append(tag)
+    y = x * n + (0.0 if scale is None else scale)
+    return y.sum(), {"a": state["a"] + y, "b": state["b"] * 2}
+
+
 def _counted(**jit_kw):
-    """A fresh StoredJit (as a new process has: nothing in memory) and its trace count."""
-    traces = []
-
-    def f(x, state, scale=None, *, n, tag):
-        traces.append(tag)
-        y = x * n + (0.0 if scale is None else scale)
-        return y.sum(), {"a": state["a"] + y, "b": state["b"] * 2}
-
-    return programs.stored_jit(f, static_argnames=("n", "tag"), **jit_kw), traces
+    """A fresh StoredJit of a fresh copy of the module-level `_f` (as a new process has: nothing
+    in memory, not even jax's trace of it) and the list its traces go to. A copy, not a closure:
+    a function with a closure is never stored."""
+    TRACES.clear()
+    fresh = types.FunctionType(_f.__code__, _f.__globals__, "_f", _f.__defaults__, None)
+    fresh.__kwdefaults__ = _f.__kwdefaults__
+    return programs.stored_jit(fresh, static_argnames=("n", "tag"), **jit_kw), TRACES
 
 
 def _args():
@@ -75,7 +83,7 @@ def test_a_call_that_differs_gets_its_own_program(store, change, monkeypatch):
     elif change == "tree":
         kw.pop("scale")
     elif change == "source":
-        monkeypatch.setattr(programs, "source_hash", lambda: "another source")
+        monkeypatch.setattr(store.sources, "digest", "another source")
     g, traces2 = _counted()  # nothing in memory: the store decides
     g(x, st, **kw)
     assert len(traces2) == 1, change
@@ -85,15 +93,58 @@ def test_a_call_that_differs_gets_its_own_program(store, change, monkeypatch):
 def test_calls_the_key_cannot_describe_go_through_the_jit(store):
     """A static whose repr is an address, a static passed by position and a call under a trace
     are the jit's: same results, nothing written."""
-    def body(x, fn):
-        return fn(x) + 1
-
-    f = programs.stored_jit(body, static_argnames=("fn",))
+    f = programs.stored_jit(_apply, static_argnames=("fn",))
     x = jnp.arange(3.0)
     np.testing.assert_array_equal(f(x, fn=jnp.tanh), jnp.tanh(x) + 1)     # <function ... at 0x...>
     np.testing.assert_array_equal(f(x, jnp.tanh), jnp.tanh(x) + 1)        # by position
     np.testing.assert_array_equal(jax.jit(lambda x: f(x, fn=jnp.tanh))(x), jnp.tanh(x) + 1)  # tracers
     assert list(store.directory.glob("*.prog")) == [] and store.stats["unkeyed"] == 1
+
+
+def _apply(x, fn):
+    return fn(x) + 1
+
+
+def test_functions_with_a_closure_or_defined_inside_another_are_not_stored(store):
+    """Their code is not all of what they compute (make(2.0) and make(3.0) share a code object
+    and a name): both go through the jit."""
+    def make(scale):
+        return programs.stored_jit(lambda x: x * scale)
+
+    def inner(x):
+        return x + 1
+
+    x = jnp.arange(3.0)
+    np.testing.assert_array_equal(make(2.0)(x), x * 2)
+    np.testing.assert_array_equal(make(3.0)(x), x * 3)
+    np.testing.assert_array_equal(programs.stored_jit(inner)(x), x + 1)
+    assert list(store.directory.glob("*.prog")) == [] and store.stats["compiled"] == 0
+
+
+def test_jax_settings_in_effect_separate_programs(store):
+    """A program made under `jax.default_matmul_precision("highest")` is not the default one, in
+    memory as on disk."""
+    f = programs.stored_jit(_matmul)
+    a = jax.random.normal(jax.random.key(0), (64, 64))
+    f(a)
+    with jax.default_matmul_precision("highest"):
+        f(a)
+    assert store.stats["compiled"] == 2 and len(list(store.directory.glob("*.prog"))) == 2
+
+
+def _matmul(a):
+    return a @ a
+
+
+def test_nothing_is_stored_once_the_package_changed(store, monkeypatch):
+    """A file of the package edited after the store was opened: the program runs but is not
+    stored (its key names the code as it was when the store opened)."""
+    monkeypatch.setattr(store.sources, "changed", lambda: True)
+    x, st = _args()
+    f, _ = _counted()
+    f(x, st, n=7, tag="e")
+    assert store.stats["compiled"] == 1 and store.stats["not_stored"] == 1
+    assert list(store.directory.glob("*.prog")) == []
 
 
 def test_donation_is_kept(store):
@@ -143,7 +194,36 @@ def test_a_stored_program_that_cannot_run_goes_to_the_jit(store, monkeypatch):
         got = g(x, st, n=3, tag="r")
     jax.tree.map(np.testing.assert_array_equal, got, want)
     assert len(traces) == 1 and store.stats["discarded"] == 1 and store.stats["compiled"] == 1
-    assert list(store.directory.glob("*.prog")) == []
+    assert list(store.directory.glob("*.prog")) == [] and len(list(store.directory.glob("*.refused"))) == 1
+
+
+def test_a_failing_program_that_consumed_its_donations_says_so(store, monkeypatch):
+    """The no-code failure after the donated state is gone cannot be rerun by the jit: a clear
+    RuntimeError, and the key refused, so the next run compiles. Any other failure is the
+    program's own: raised as it is, nothing refused."""
+    x, st = _args()
+    f, _ = _counted(donate_argnames=("state",))
+    f(x, {"a": jnp.zeros(4), "b": jnp.ones(4)}, n=4, tag="k")
+    (path,) = store.directory.glob("*.prog")
+
+    def consumed(x, state, **kw):
+        state["a"].delete()
+        raise jax.errors.JaxRuntimeError("NOT_FOUND: Function fusion not found")
+
+    monkeypatch.setattr(store, "load", lambda name, key: consumed)
+    g, _ = _counted(donate_argnames=("state",))
+    with pytest.warns(UserWarning), pytest.raises(RuntimeError, match="donated arguments were consumed"):
+        g(x, st, n=4, tag="k")
+    assert path.with_suffix(".refused").exists()
+
+    def out_of_memory(*a, **k):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(store, "load", lambda name, key: out_of_memory)
+    h, _ = _counted()
+    with pytest.raises(jax.errors.JaxRuntimeError, match="RESOURCE_EXHAUSTED"):
+        h(x, {"a": jnp.zeros(4), "b": jnp.ones(4)}, n=5, tag="k")
+    assert len(list(store.directory.glob("*.refused"))) == 1
 
 
 def test_the_store_keeps_to_its_size(tmp_path):
@@ -198,14 +278,24 @@ if sys.argv[2] == "gpu":  # shapes the Mosaic kernels take (bf16, head dim 64, 6
     dtype, n, ffi = jnp.bfloat16, 600, "cuda"
 params, forecast = init_model(c, jax.random.key(0)), init_forecast(c, jax.random.key(2))
 prompts = [list(range(1, n)), list(range(5, n - 10))]
-out = {}
-# sparda twice: with the reference copy and with the FFI copy (on the CPU its twin), whose targets
-# a loaded program needs registered without a trace
-for name, system, per_call, copy in (("sparda", "sparda", 3, "xla"), ("sparda_ffi", "sparda", 3, ffi),
-                                     ("dense_resident", "dense_resident", 1, None)):
-    engine = EngineConfig(system, implementations=Implementations(kv_copy=copy))
-    out[name] = generate(params, c, prompts, SamplingConfig(max_new_tokens=8, temperature=0.0), forecast=forecast,
-                         engine=engine, steps_per_call=per_call, dtype=dtype)
+
+
+def run_all():
+    out = {}
+    # sparda twice: with the reference copy and with the FFI copy (on the CPU its twin), whose
+    # targets a loaded program needs registered without a trace
+    for name, system, per_call, copy in (("sparda", "sparda", 3, "xla"), ("sparda_ffi", "sparda", 3, ffi),
+                                         ("dense_resident", "dense_resident", 1, None)):
+        engine = EngineConfig(system, implementations=Implementations(kv_copy=copy))
+        out[name] = generate(params, c, prompts, SamplingConfig(max_new_tokens=8, temperature=0.0),
+                             forecast=forecast, engine=engine, steps_per_call=per_call, dtype=dtype)
+    return out
+
+
+out = run_all()
+if sys.argv[3] == "jit-then-store":  # the programs in the jit's memory first (from XLA's cache), then a store
+    programs.enable_program_store(sys.argv[4])
+    assert run_all() == out
 s = programs.program_store()
 print(json.dumps({"tokens": out, "stats": s.stats if s else None}))
 """
@@ -214,10 +304,11 @@ print(json.dumps({"tokens": out, "stats": s.stats if s else None}))
 @pytest.mark.slow
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_path, platform):
-    """Three processes share XLA's persistent cache: the first without a store (it fills that
-    cache, so the second's compiles are cache hits, whose executables serialize without their
-    code on the CPU unless compiled afresh), the second stores, the third loads every program
-    and compiles none. They generate the same tokens with sparda (its copy by XLA and by the FFI
+    """Four processes share XLA's persistent cache: the first without a store (it fills that
+    cache: an executable from it serializes without its code on the CPU), the second runs the
+    same with the jit first and then with a store (the jit's executables, from that cache, must
+    not be stored), the third stores what is left, the fourth loads every program and compiles
+    none. They generate the same tokens with sparda (its copy by XLA and by the FFI
     calls: on the CPU their twin) and dense_resident; on the GPU the programs carry the Mosaic
     kernels, and the jit's tokens (first process) are not compared: its compile may pick other
     GEMM algorithms than the store's, and bf16 argmax ties then differ."""
@@ -229,14 +320,19 @@ def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_pat
         assert p.returncode == 0, p.stderr[-3000:]
         return json.loads(p.stdout.strip().splitlines()[-1])
 
+    store = str(tmp_path / "programs")
     ref = run("none")
-    first = run("store", str(tmp_path / "programs"))
-    second = run("store", str(tmp_path / "programs"))
-    assert first["stats"]["compiled"] >= 4 and first["stats"]["stored"] == first["stats"]["compiled"]
-    assert second["stats"]["compiled"] == 0 and second["stats"]["loaded"] == first["stats"]["stored"]
+    mixed = run("jit-then-store", store)  # what it stores must run in the next process
+    first = run("store", store)
+    second = run("store", store)
+    stored = mixed["stats"]["stored"] + first["stats"]["stored"]
+    assert first["stats"]["compiled"] >= 1 and first["stats"]["discarded"] == 0
+    assert first["stats"]["loaded"] == mixed["stats"]["stored"]
+    assert second["stats"]["compiled"] == 0 and second["stats"]["loaded"] == stored >= 4
+    assert second["stats"]["discarded"] == second["stats"]["unkeyed"] == 0
     assert first["tokens"] == second["tokens"]
     if platform == "cpu":
-        assert ref["tokens"] == first["tokens"]
+        assert ref["tokens"] == mixed["tokens"] == first["tokens"]
     assert all(len(t) == 8 for seqs in ref["tokens"].values() for t in seqs)
 
 

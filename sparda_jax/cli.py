@@ -502,9 +502,12 @@ def _cmd_info(args) -> int:
 
     import jax
 
+    from .api import ADAPTED_PRESETS
+
     names = [args.model] if args.model else preset_names()
     for n in names:
-        c = get_preset(n)
+        # an adapted preset (the sparse-native SmolLM2) has its base model's shapes
+        c = get_preset(ADAPTED_PRESETS[n] if n in ADAPTED_PRESETS else n)
         shapes = jax.eval_shape(lambda: init_model(c, jax.random.key(0)))
         print(f"{n:16s} {c.arch:8s} layers {c.num_layers:3d} hidden {c.hidden_size:5d} heads "
               f"{c.num_heads}/{c.num_kv_heads} d_h {c.head_dim} params {param_count(shapes) / 1e6:9.1f}M"
@@ -827,7 +830,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sparda: warning: {e}; running without the program store", file=sys.stderr)
     try:
         return args.fn(args)
-    except (FileNotFoundError, ValueError, TypeError) as e:  # ConfigError is a ValueError
+    except (FileNotFoundError, ValueError, TypeError, NotImplementedError) as e:  # ConfigError is a ValueError
+        # NotImplementedError: a backend forced where it cannot run (a GPU kernel on the CPU)
         print(f"sparda: error: {e}", file=sys.stderr)
         return 2
 

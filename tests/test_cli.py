@@ -141,3 +141,20 @@ def test_a_second_process_loads_the_first_ones_compiled_programs(tmp_path):
     assert any(n.startswith("jit__lambda") for n, _ in first), first
     # the second process loaded every program: no entry was written again (a miss rewrites its entry)
     assert run() == first
+
+
+def test_info_knows_the_adapted_preset_and_a_backend_that_cannot_run_is_an_error_line(capsys, monkeypatch):
+    """`info --model smollm2-135m-sparse` prints its (base model's) shapes; a NotImplementedError
+    (a GPU-only backend forced on the CPU: `ops._dispatch`) ends with one 'sparda: error:' line,
+    exit 2, not a traceback."""
+    from sparda_jax import cli
+
+    assert main(["--no-compile-cache", "info", "--model", "smollm2-135m-sparse"]) == 0
+    assert "smollm2-135m-sparse" in capsys.readouterr().out
+
+    def gpu_only(args):
+        raise NotImplementedError("the Mosaic GPU selectors need a Hopper GPU")
+
+    monkeypatch.setattr(cli, "_cmd_info", gpu_only)
+    assert main(["--no-compile-cache", "info"]) == 2
+    assert capsys.readouterr().err.strip() == "sparda: error: the Mosaic GPU selectors need a Hopper GPU"

@@ -199,3 +199,27 @@ def test_converted_checkpoints_are_cached(tmp_path, monkeypatch):
     w["model.norm.weight"] = w["model.norm.weight"] + 1
     _write(tmp_path / "m", _config(), w)
     assert entry_path(tmp_path / "m", np.float32, cache) != entry
+
+
+def test_the_weights_cache_keeps_to_its_size_and_is_shared_by_clones(tmp_path):
+    """Entries past the bound go least recently used first (the one just written stays), and a
+    copy of the same file in another folder (another clone's venv) maps to the same entry."""
+    import os
+    import shutil
+
+    from sparda_jax.io import weights_cache as wc
+
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    for i, t in enumerate((100, 200, 300)):
+        p = folder / f"m{i}.pkl"
+        p.write_bytes(b"\0" * 1000)
+        os.utime(p, (t, t))
+    wc.prune(folder, keep=folder / "m0.pkl", max_bytes=2000)
+    assert sorted(p.name for p in folder.glob("*.pkl")) == ["m0.pkl", "m2.pkl"]  # m1: oldest not kept
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "x.gguf").write_bytes(b"gguf")
+    shutil.copy2(tmp_path / "a" / "x.gguf", tmp_path / "b" / "x.gguf")  # same name, size, mtime
+    assert wc.entry_path(tmp_path / "a" / "x.gguf", np.float32, tmp_path) == \
+        wc.entry_path(tmp_path / "b" / "x.gguf", np.float32, tmp_path)

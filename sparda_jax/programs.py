@@ -188,16 +188,9 @@ def enable_program_store(directory: str | os.PathLike | None = None, *, max_byte
     start of a process: the package's source is hashed now, and nothing is stored once a file
     of it changes. Raises OSError naming the folder when it cannot be created or written."""
     global _store  # one per process, like jax's own compilation cache setting
-    from .runtime import default_cache_dir
+    from .runtime import default_cache_dir, writable_dir
 
-    d = Path(directory) if directory is not None else default_cache_dir() / "programs"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as e:
-        raise OSError(f"the program store directory {d} is not writable: {e}") from e
+    d = writable_dir(directory if directory is not None else default_cache_dir() / "programs", "program store")
     _store = ProgramStore(d, max_bytes=max_bytes)
     return _store
 

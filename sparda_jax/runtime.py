@@ -21,7 +21,7 @@ import warnings
 from pathlib import Path
 
 __all__ = ["LAUNCH_QUEUES", "LAUNCH_QUEUE_SCALES", "CACHE_DIR_VARIABLE", "default_cache_dir", "write_result",
-           "enable_compilation_cache", "set_launch_queues", "warn_if_default_launch_queues"]
+           "enable_compilation_cache", "writable_dir", "set_launch_queues", "warn_if_default_launch_queues"]
 
 CACHE_DIR_VARIABLE = "SPARDA_JAX_CACHE_DIR"
 
@@ -101,20 +101,27 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "sparda-jax"
 
 
-def enable_compilation_cache(directory: str | os.PathLike | None = None, *, min_compile_s: float = 0.0) -> Path:
-    """Keep compiled programs under `directory`/xla (None: `default_cache_dir()`) for later
-    processes; programs that took less than `min_compile_s` to compile are not stored. Returns
-    the directory. Raises OSError naming it when it cannot be created or written."""
-    import jax
-
-    d = Path(directory) if directory is not None else default_cache_dir() / "xla"
+def writable_dir(directory: str | os.PathLike, what: str) -> Path:
+    """`directory`, created if need be and checked writable; OSError naming it (as `what`'s
+    directory) otherwise."""
+    d = Path(directory)
     try:
         d.mkdir(parents=True, exist_ok=True)
         probe = d / ".write-test"
         probe.write_text("")
         probe.unlink()
     except OSError as e:
-        raise OSError(f"the compilation cache directory {d} is not writable: {e}") from e
+        raise OSError(f"the {what} directory {d} is not writable: {e}") from e
+    return d
+
+
+def enable_compilation_cache(directory: str | os.PathLike | None = None, *, min_compile_s: float = 0.0) -> Path:
+    """Keep compiled programs under `directory`/xla (None: `default_cache_dir()`) for later
+    processes; programs that took less than `min_compile_s` to compile are not stored. Returns
+    the directory. Raises OSError naming it when it cannot be created or written."""
+    import jax
+
+    d = writable_dir(directory if directory is not None else default_cache_dir() / "xla", "compilation cache")
     jax.config.update("jax_compilation_cache_dir", str(d))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", float(min_compile_s))
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -8,12 +8,13 @@ from sparda_jax.io.adapter_file import adapter_path, LoraConfig
 from sparda_jax.train.finetune import FinetuneConfig, finetune
 from sparda_jax.train.augment import RetrievalMix
 arm = sys.argv[1]
+steps = int(sys.argv[2]) if len(sys.argv) > 2 else 12  # 36: resumes a 12-step run from its checkpoints
 m = api.load_pretrained("smollm2-135m")
 cfg = m.config.replace(sparse=dataclasses.replace(m.config.sparse, local_blocks=2, topk=8))
 model = api.Pretrained(cfg, m.params, m.tokenizer, m.dtype)
 fc = FinetuneConfig(lora=LoraConfig(rank=32, alpha=64.0), objective="distill", copy_weight=1.0,
                     select_weight=2.0 if arm == "select" else 0.0, seq_len=2048, batch=2, micro_batch=1,
-                    steps=12, lr=5e-4, dtype="bfloat16", seed=5)
+                    steps=steps, lr=5e-4, dtype="bfloat16", seed=5)
 t = time.time()
 r = finetune(model, fc, f"/tmp/pilot/{arm}", data_paths=["/tmp/s21/data"], save_every=4, eval_every=0,
              mix=RetrievalMix(repeat_share=0.5, scatter_share=0.0), init_from=adapter_path("smollm2-135m-sparse"),

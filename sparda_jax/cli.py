@@ -225,6 +225,11 @@ def _cmd_demo(args) -> int:
         _check_output(args.json)
     _prebuild_copy_library(args.systems)
     model = _load(args)
+    sp = model.config.sparse
+    if sp.topk * sp.block_size >= args.context:  # every block selected: the systems cannot differ in what they read
+        print(f"sparda: note: the block budget ({sp.topk} blocks of {sp.block_size} tokens) covers the whole "
+              f"{args.context}-token context, so every system reads every block and the sparse ones answer as "
+              f"dense does; take --context above {sp.topk * sp.block_size} or a smaller --topk", file=sys.stderr)
     results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
                             systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))
     print(results_table(results))

@@ -34,6 +34,8 @@ def test_demo_finds_the_fact(tmp_path, capsys):
     captured = capsys.readouterr()
     assert "dense_resident | 1024 | 0.5 | True" in captured.out
     assert "[sparda] first calls: prefill" in captured.err
+    # at 1024 tokens SmolLM2's 24-block budget selects everything, and the demo says so
+    assert "covers the whole 1024-token context" in captured.err
 
 
 def test_info_lists_presets(capsys):

@@ -417,6 +417,7 @@ class StoredJit:
             program, ran, out = self._find(store, statics, tree, sigs, args, dynamic)
             if len(self._programs) >= _MEMO_LIMIT:
                 self._programs.clear()
+                self._last.clear()
             self._programs[call_key] = program
         self._last[fast_key] = program
         return out if ran else program(*args, **dynamic)
@@ -431,8 +432,9 @@ class StoredJit:
         except _Unkeyable:
             store.stats["unkeyed"] += 1
             return jit, False, None
-        program = None if store.refused(self.name, key) else store.load(self.name, key)
-        if program is None and store.refused(self.name, key):  # before, or just now by load
+        refused = store.refused(self.name, key)
+        program = None if refused else store.load(self.name, key)
+        if refused or (program is None and store.refused(self.name, key)):  # before, or just now by load
             store.stats["unkeyed"] += 1
             return jit, False, None
         if program is None:

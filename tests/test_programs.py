@@ -147,6 +147,17 @@ def test_nothing_is_stored_once_the_package_changed(store, monkeypatch):
     assert list(store.directory.glob("*.prog")) == []
 
 
+def test_a_stored_program_called_under_a_trace_is_traced_through(store):
+    """Once a call has a stored program, the same function inside jit and grad (tracer
+    arguments) still gives the traced results."""
+    x, st = _args()
+    f, _ = _counted()
+    f(x, st, n=3, tag="g")
+    total, _ = jax.jit(lambda x: f(x, st, n=3, tag="g"))(x)
+    assert float(total) == float(jnp.sum(x * 3))
+    np.testing.assert_array_equal(jax.grad(lambda x: f(x, st, n=3, tag="g")[0])(x), jnp.full(4, 3.0))
+
+
 def test_donation_is_kept(store):
     x, st = _args()
     f, _ = _counted(donate_argnames=("state",))

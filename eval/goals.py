@@ -13,7 +13,9 @@ dense mode):
 Each check is made per split and, where there are several, over all splits pooled (copy NLL:
 mean over all sequences; recall: all hits over all rows; perplexity: token-weighted mean NLL);
 a pooled ratio pools only the splits that both modes were measured on.
-Every row whose mode starts with "sparda" (trained or untrained) is checked.
+Every row whose mode starts with "sparda" (trained or untrained) is checked. A length the block
+budget covers whole (top-k x block size >= length: every mode reads every block) gets no verdict:
+its check has passed None and prints as n/a, since agreement there says nothing of the selection.
 """
 
 from __future__ import annotations
@@ -81,6 +83,16 @@ def native_goal_checks(selection: dict | None = None, copy: dict | None = None) 
                    copy_ratio=NATIVE_COPY_NLL_RATIO, recall=False)
 
 
+def _covered(result: dict, length: int) -> bool:
+    """Whether the result's block budget selects every block of a `length`-token sequence."""
+    b = result.get("budget") or {}
+    return "topk" in b and "block_size" in b and b["topk"] * b["block_size"] >= length
+
+
+def _verdict(result: dict, length: int, passed: bool) -> bool | None:
+    return None if _covered(result, length) else bool(passed)
+
+
 def _checks(selection, copy, *, reference: str, picked, copy_ratio: float, recall: bool) -> list[dict]:
     checks = []
     if copy is not None:
@@ -96,7 +108,7 @@ def _checks(selection, copy, *, reference: str, picked, copy_ratio: float, recal
                     v, b = _pool_copy(mine), _pool_copy(ref_)
                     checks.append({"goal": "copy NLL", "split": split, "length": length, "mode": mode, "value": v,
                                    "reference": b, "target": f"<= {copy_ratio:.2f} x {reference}",
-                                   "passed": v <= copy_ratio * b})
+                                   "passed": _verdict(copy, length, v <= copy_ratio * b)})
     if selection is not None:
         rows = [r for r in selection["rows"] if "task" not in r and r.get("suite", "selection") == "selection"]
         for split, rs in _groups(rows).items():
@@ -109,13 +121,13 @@ def _checks(selection, copy, *, reference: str, picked, copy_ratio: float, recal
                         v = _pool_recall(mine)
                         checks.append({"goal": "recall", "split": split, "length": length, "mode": mode, "value": v,
                                        "reference": None, "target": f">= {RECALL_MIN[length]:.2f}",
-                                       "passed": v >= RECALL_MIN[length]})
+                                       "passed": _verdict(selection, length, v >= RECALL_MIN[length])})
                     mine_, ref_ = _common(mine, ref)
                     if ref_:
                         v, b = _pool_ppl_late(mine_), _pool_ppl_late(ref_)
                         checks.append({"goal": "late-half ppl", "split": split, "length": length, "mode": mode,
                                        "value": v, "reference": b, "target": f"<= {PPL_RATIO:.2f} x {reference}",
-                                       "passed": v <= PPL_RATIO * b})
+                                       "passed": _verdict(selection, length, v <= PPL_RATIO * b)})
     return checks
 
 
@@ -129,8 +141,10 @@ def goals_text(checks: list[dict], reference: str = "sparse", title: str = "Goal
     out = [f"{title}:", ""]
     for c in checks:
         ref = "" if c["reference"] is None else f" vs {reference} {c['reference']:.3f} (ratio {c['value'] / c['reference']:.3f})"
-        out.append(f"- {'PASS' if c['passed'] else 'FAIL'} {c['goal']} {c['target']}: {c['mode']} "
-                   f"{c['value']:.3f}{ref}; {c['split']}, {c['length']} tokens")
+        verdict = "n/a" if c["passed"] is None else "PASS" if c["passed"] else "FAIL"
+        out.append(f"- {verdict} {c['goal']} {c['target']}: {c['mode']} {c['value']:.3f}{ref}; {c['split']}, "
+                   f"{c['length']} tokens" + (" (the block budget covers every block: no verdict)"
+                                              if c["passed"] is None else ""))
     return "\n".join(out) + "\n"
 
 

@@ -16,10 +16,10 @@ from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.text import haystack_tokens, insert_at_depth
 
 from .engine import selector_of
-from .generate import SamplingConfig, generate
+from .generate import PAD_MULTIPLE, SamplingConfig, generate
 from .timing import CompileClock, StepTimer
 
-__all__ = ["RetrievalCase", "make_case", "run_retrieval", "results_table"]
+__all__ = ["RetrievalCase", "make_case", "max_context", "run_retrieval", "results_table"]
 
 _FIRST = ["Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas"]
 _LAST = ["Brown", "Okafor", "Lindqvist", "Moreau", "Tanaka", "Castillo", "Novak", "Haddad"]
@@ -49,14 +49,21 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
     head, tail = tok.chat_prompt("\x00").split("\x00")
     pre = tok.encode(head + "Read this document carefully.\n\n")
     post = tok.encode(f"\n\nAnswer using the text above. {question}{tail}")
-    n_hay = context_tokens - len(pre) - len(post) - len(tok.encode(needle))
-    if n_hay < 64:
-        raise ValueError(f"context_tokens={context_tokens} leaves no room for the haystack")
+    frame = len(pre) + len(post) + len(tok.encode(needle))
+    n_hay = context_tokens - frame
+    if n_hay < 64:  # a haystack shorter than one block would not be a retrieval task
+        raise ValueError(f"context_tokens={context_tokens} leaves no room for the haystack: the prompt's frame "
+                         f"and the fact take {frame} tokens and the haystack at least 64; take at least {frame + 64}")
     hay = haystack_tokens(tok.encode, n_hay, seed=seed)
     fact = tok.encode(needle)
     body = insert_at_depth(hay, fact, depth, tok.decode)
     start = len(pre) + next(i for i in range(len(body)) if body[i:i + len(fact)] == fact)
     return RetrievalCase(pre + body + post, name, room, depth, context_tokens, (start, start + len(fact)))
+
+
+def max_context(max_positions: int, max_new_tokens: int) -> int:
+    """The longest prompt whose padded length plus max_new_tokens fits max_positions."""
+    return (max_positions - max_new_tokens) // PAD_MULTIPLE * PAD_MULTIPLE
 
 
 def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), seed: int = 0,
@@ -72,6 +79,11 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
     systems miss_rate (blocks copied / blocks selected) and copied_bytes_per_token (else None)."""
     if model.tokenizer is None:
         raise ValueError("the retrieval demo needs a model with a tokenizer")
+    longest = max_context(model.config.max_position_embeddings, max_new_tokens)
+    if context_tokens > longest:
+        raise ValueError(f"context_tokens={context_tokens} is past what the model can take: at most {longest} "
+                         f"(its context of {model.config.max_position_embeddings} less {max_new_tokens} new tokens, "
+                         f"in whole {PAD_MULTIPLE}-token blocks)")
     for s in systems:
         selector_of(s)  # a clear error for an unknown system before any work
     extra = prepare_modes(model, [selector_of(s) for s in systems], seed=seed, forecast=forecast)

@@ -80,7 +80,7 @@ case "${1:-status}" in
   status)
     tail -n 12 "$SN/log" 2>/dev/null
     tail -c 400 "$SN/ft.log" 2>/dev/null | tr '\r' '\n' | tail -n 2
-    bash scripts/forecast_study.sh status 2>/dev/null | grep -A1 sn_forecast ;;
+    bash scripts/forecast_study.sh status 2>/dev/null | grep -A1 "$FC_RUN" ;;
   collect)  # at most 8 files come back from a call
     dst=${OUT:-/tmp/out}/sn_study; mkdir -p "$dst"
     tar czf "$dst/records.tgz" -C / --ignore-failed-read root/sn/log root/sn/ft.log root/sn/ft/metrics.jsonl \

@@ -354,6 +354,18 @@ def test_goal_checks_thresholds_and_pooling():
     assert pooled["value"] == pytest.approx(1.15) and pooled["reference"] == pytest.approx(1.0)
 
 
+def test_a_length_the_budget_covers_gets_no_verdict():
+    rows = [{"suite": "copy", "split": "a", "length": n, "mode": m, "copy_nll": v, "copy_nll_per_sample": [v]}
+            for n in (1024, 4096) for m, v in (("sparse", 1.0), ("sparda (trained)", 1.0))]
+    budget = {"block_size": 64, "init_blocks": 1, "local_blocks": 8, "topk": 24}  # 1536 tokens
+    got = {c["length"]: c for c in goal_checks(None, {"rows": rows, "budget": budget})}
+    assert got[1024]["passed"] is None and got[4096]["passed"] is True
+    text = goals_text(list(got.values()))
+    assert "- n/a copy NLL" in text and "1024 tokens (the block budget covers every block: no verdict)" in text
+    assert "- PASS copy NLL" in text
+    assert goal_checks(None, {"rows": rows})[0]["passed"] is True  # no budget recorded: judged as before
+
+
 def test_native_goal_checks_compare_sparse_with_its_own_dense_mode():
     sel = {"rows": [_sel_row("a", 4096, "dense", 1.0, 10.0), _sel_row("a", 4096, "sparse", 1.0, 10.1),
                     _sel_row("a", 8192, "dense", 1.0, 10.0), _sel_row("a", 8192, "sparse", 1.0, 10.11),

@@ -1,10 +1,11 @@
 """The demo's fact span and the needle probe's row shares."""
 
 import numpy as np
+import pytest
 
 import sparda_jax as sj
 from sparda_jax.eval.needle import needle_rows
-from sparda_jax.infer.demo import make_case
+from sparda_jax.infer.demo import make_case, max_context, run_retrieval
 
 
 def test_the_case_knows_where_its_fact_is():
@@ -13,6 +14,17 @@ def test_the_case_knows_where_its_fact_is():
     text = model.tokenizer.decode(case.prompt_ids[case.fact[0]:case.fact[1]])
     assert text.strip().startswith("Remember this:") and case.name in text and f"Room {case.room}" in text
     assert 0.3 * 1024 < case.fact[0] < 0.7 * 1024
+
+
+def test_demo_lengths_out_of_range_name_the_allowed_ones():
+    model = sj.load_pretrained("smollm2-135m")
+    assert max_context(8192, 32) == 8128 and max_context(8192, 64) == 8128 and max_context(8192, 65) == 8064
+    with pytest.raises(ValueError, match="at most 8128"):
+        run_retrieval(model, context_tokens=8192, systems=("dense_resident",))
+    with pytest.raises(ValueError, match=r"take at least \d+") as e:
+        make_case(model, 100, 0.5, 0)
+    least = int(str(e.value).rsplit(" ", 1)[1])
+    assert len(make_case(model, least, 0.5, 0).prompt_ids) == least  # the length it names is accepted
 
 
 def test_needle_rows_counts_rows_holding_a_block():

@@ -14,7 +14,7 @@
 # with ADAPTER=that adapter (no training) and FC_RUN's Forecast started again.
 #
 # Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH, FT_COPY,
-# FT_SELECT (--select-weight), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
+# FT_SELECT (--select-weight), FT_LR (--lr, default 5e-4), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
 # dense / sparse baselines (copy + selection suites, every split, 4K and 8K) and its Forecast
 # (`forecast_study.sh start $FC_RUN SN_STEPS`, FC_RUN default sn_forecast) -> the Forecast's
 # evaluation and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA.
@@ -42,10 +42,14 @@ chain() {
     cp "$ADAPTER" "$W/adapter-smollm2-135m-sparse.safetensors" || { log "no adapter $ADAPTER"; return 1; }
   else
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 sparda finetune --model smollm2-135m --data "$DATA" --out "$SN/ft" \
-      --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch "${FT_BATCH:-8}" --micro-batch 2 --lr 5e-4 --rank 32 \
+      --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch "${FT_BATCH:-8}" --micro-batch 2 --lr "${FT_LR:-5e-4}" --rank 32 \
       --save-every 25 --eval-every 50 --eval-seqs 2 --repeat-share 0.25 --scatter-share 0.25 \
       --objective distill --copy-weight "${FT_COPY:-0}" --select-weight "${FT_SELECT:-0}" \
       ${FT_INIT:+--init-adapter $FT_INIT} > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
+    # a run whose held-out dense NLL rose past 0.05 nats diverged (an 8K run at select weight 2 and
+    # lr 5e-4 did): its Forecast and evaluation would waste the machine
+    python3 -c "import json,sys; r=[json.loads(l) for l in open('$SN/ft/metrics.jsonl') if 'heldout_dense' in l]
+sys.exit(r[-1]['heldout_dense'] - r[0]['heldout_dense'] > 0.05)" || { log "adapter diverged: held-out dense NLL rose past 0.05 nats; chain stopped"; return 1; }
     cp "$SN/ft/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
   fi
   cp "$W/adapter-smollm2-135m-sparse.safetensors" "$SN/adapter.safetensors"

@@ -288,7 +288,7 @@ if sys.argv[2] == "gpu":  # shapes the Mosaic kernels take (bf16, head dim 64, 6
                                                                  topk=4, kernel_size=32, kernel_stride=16, dense_len=0))
     dtype, n, ffi = jnp.bfloat16, 600, "cuda"
 params, forecast = init_model(c, jax.random.key(0)), init_forecast(c, jax.random.key(2))
-prompts = [list(range(1, n)), list(range(5, n - 10))]
+prompts = [[1 + i % (c.vocab_size - 1) for i in range(1, n)], [1 + i % (c.vocab_size - 1) for i in range(5, n - 10)]]
 
 
 def run_all():

@@ -498,3 +498,31 @@ def test_prefill_gives_every_offloaded_layer_buffers_of_its_own(setup, mode):
     pointers = [a.unsafe_buffer_pointer() for a in arrays]
     assert len(st.layers) == TINY.num_layers - 1 and len(arrays) > 3 * len(st.layers)
     assert len(set(pointers)) == len(pointers)
+
+
+@pytest.mark.parametrize("copy_impl", ["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_one_offloaded_layer_decodes_in_one_program(copy_impl):
+    """A model of two layers offloads one: its pools have a leading dim of 1. On the H200 the
+    reference copy's loop of this shape failed to compile (XLA: a bitcast between device and
+    pinned-host memory); the loop must give the step-by-step logits whatever the layer count."""
+    from sparda_jax.infer.engine import engine_decode_steps
+
+    config = TINY.replace(num_layers=2)
+    params, forecast, ig = _make(config)
+    b, t0, n = 2, 70, 12
+    tokens = jax.random.randint(jax.random.key(7), (b, t0 + n), 0, config.vocab_size)
+    lengths = jnp.array([t0, t0 - 11], jnp.int32)
+    pos = np.asarray(lengths)[None] + np.arange(n)[:, None]
+    toks = np.asarray(tokens)[np.arange(b)[None], pos]
+    eng = engine_config("sparda", copy_impl=copy_impl)
+
+    def fresh():
+        return engine_prefill(params, tokens[:, :t0], lengths, config, eng, cache_size=t0 + n, forecast=forecast)[1]
+
+    st, one = fresh(), []
+    for i in range(n):
+        logits, st, _ = engine_decode_step(params, toks[i], pos[i], st, config, eng, forecast=forecast)
+        one.append(logits)
+    loop, _, stats = engine_decode_steps(params, toks, pos, fresh(), config, eng, forecast=forecast)
+    np.testing.assert_allclose(np.asarray(loop), np.asarray(jnp.stack(one)), rtol=0, atol=2e-5)  # as above
+    assert int(np.asarray(stats["copied_blocks"]).sum()) > 0

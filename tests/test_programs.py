@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -284,7 +286,9 @@ if sys.argv[3] == "store":
     programs.enable_program_store(sys.argv[4])
 c, dtype, n, ffi = get_preset("tiny"), jnp.float32, 70, "host_ffi"
 if sys.argv[2] == "gpu":  # shapes the Mosaic kernels take (bf16, head dim 64, 64-token blocks), the CUDA copy
-    c = c.replace(num_layers=2, head_dim=64, sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=1,
+    # three layers: with two, XLA failed to compile the reference copy's loop on the H200
+    # (tests/test_engine.py::test_one_offloaded_layer_decodes_in_one_program)
+    c = c.replace(num_layers=3, head_dim=64, sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=1,
                                                                  topk=4, kernel_size=32, kernel_stride=16, dense_len=0))
     dtype, n, ffi = jnp.bfloat16, 600, "cuda"
 params, forecast = init_model(c, jax.random.key(0)), init_forecast(c, jax.random.key(2))
@@ -335,11 +339,16 @@ def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_pat
     ref = run("none")
     mixed = run("jit-then-store", store)  # what it stores must run in the next process
     first = run("store", store)
+    time.sleep(0.05)
+    before_second = time.time()
     second = run("store", store)
     stored = mixed["stats"]["stored"] + first["stats"]["stored"]
     assert first["stats"]["compiled"] >= 1 and first["stats"]["discarded"] == 0
     assert first["stats"]["loaded"] == mixed["stats"]["stored"]
-    assert second["stats"]["compiled"] == 0 and second["stats"]["loaded"] == stored >= 4
+    # a load touches its file: those the last process left untouched, named if the count is off
+    unused = sorted(p.name for p in Path(store).glob("*.prog") if p.stat().st_mtime < before_second)
+    assert second["stats"]["compiled"] == 0 and second["stats"]["loaded"] == stored >= 4, (
+        mixed["stats"], first["stats"], second["stats"], unused)
     assert second["stats"]["discarded"] == second["stats"]["unkeyed"] == 0
     assert first["tokens"] == second["tokens"]
     if platform == "cpu":

@@ -119,6 +119,12 @@ FILES = {
                                        "(the 110 s budget skipped SparDA at 8K)",
     "realmodel/backends_xla.json": "the same run's second grid, sparse attention and selection forced to XLA, and "
                                    "`sparda generate` cold / warm with the default backends and with XLA forced",
+    "realmodel/program_store.json": "H200, 4K batch 1, Dense+ and SparDA, bf16: steady rows, and `sparda generate` "
+                                     "cold / warm with the program store and without it (--first-token-without-store)",
+    "realmodel/steady_repeat1.json": "the program store run's commit again: 4K batch 1 steady rows, Sparse too; with "
+                                     "steady_repeat2.json, run right after, how far the SparDA / Dense+ decode ratio "
+                                     "moves between runs",
+    "realmodel/steady_repeat2.json": "as steady_repeat1.json, the run after it",
     "realmodel/program_store_cpu.json": "on the CPU (2 cores, float32, 1K prompt): `sparda generate` cold / warm with "
                                         "the program store and without it (--first-token-without-store); the warm "
                                         "first calls' trace + lower is what the store removes",

@@ -60,6 +60,7 @@ from sparda_jax.ops.sparse_attention.decode import DecodeConfig
 from sparda_jax.ops.sparse_attention.prefill import tile_tokens_for
 from sparda_jax.metrics import tile_blowup, tile_union
 from sparda_jax.select import select_blocks_forecast
+from sparda_jax.bench import default_out
 
 __all__ = ["bench_attention", "prefill_case", "decode_case", "train_case", "train_grad_check", "model_shape", "plot",
            "table"]
@@ -877,7 +878,7 @@ def plot(json_path) -> str | None:
 
 
 def main(args) -> int:
-    out = args.out or "bench/results/attention/attention.json"
+    out = args.out or default_out("attention/attention.json")
     if args.prefill_only + args.decode_only + args.train_only > 1:
         print("sparda: error: bench attention takes one of --prefill-only, --decode-only, --train-only",
               file=sys.stderr)

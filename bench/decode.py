@@ -56,6 +56,7 @@ from sparda_jax.infer.engine import (OFFLOAD_MODES, RESIDENT_MODES, EngineConfig
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
 from sparda_jax.kernels.kv_copy import unaliased_copies
+from sparda_jax.bench import default_out
 
 __all__ = ["bench_decode", "bench_cta", "decode_config", "marginal", "real_fractions", "at_miss_rate", "real_miss_rate", "table", "cta_table", "plot", "decomposition"]
 
@@ -978,16 +979,14 @@ def _parse_real(items) -> dict | None:
 
 
 def main(args) -> int:
-    if args.name == "cta":
-        if args.ctas and "auto" in args.ctas:
-            raise SystemExit("sparda bench cta: --ctas takes counts; the sweep adds the autotuned choice itself")
-        out = args.out or "bench/results/cta/cta.json"
+    if args.name == "cta":  # the CLI refused "auto" among --ctas
+        out = args.out or default_out("cta/cta.json")
         r = bench_cta(args.preset, context=(args.lengths or [32768])[0], batches=tuple(args.batches or (16, 64)),
                       ctas=tuple(args.ctas or (8, 16, 32, 64)), layers=args.layers or 4, steps=args.repeats,
                       budget_s=args.budget_s if args.budget_s is not None else 90.0, out=out)
         printer = cta_table
     else:
-        out = args.out or "bench/results/decode/decode.json"
+        out = args.out or default_out("decode/decode.json")
         real = _parse_real(args.real_miss_rate)
         r = bench_decode(args.preset, lengths=tuple(args.lengths or (131072,)), batches=tuple(args.batches or (4, 8, 16, 32)),
                          modes=tuple(args.modes or MODES), layers=args.layers or 4, steps=args.repeats,

@@ -43,6 +43,7 @@ from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import selector_of
 from sparda_jax.metrics import tile_blowup, tile_union
 from sparda_jax.modes import forward
+from sparda_jax.bench import default_out
 
 __all__ = ["bench_prefill", "table", "plot", "SYSTEMS"]
 
@@ -315,7 +316,7 @@ def plot(json_path) -> str | None:
 
 
 def main(args) -> int:
-    out = args.out or "bench/results/prefill/prefill.json"
+    out = args.out or default_out("prefill/prefill.json")
     b = (args.batches or [args.batch or 4])[0]
     r = bench_prefill(args.preset, lengths=tuple(args.lengths or (131072, 65536, 32768)), batch=b,
                       systems=tuple(args.modes or SYSTEMS), layers=args.layers or 2, repeats=args.repeats,

@@ -46,6 +46,7 @@ from sparda_jax.infer.engine import ENGINE_MODES, OFFLOAD_MODES, selector_of
 from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
 from sparda_jax.infer.timing import StepTimer
 from sparda_jax.text import haystack_tokens
+from sparda_jax.bench import default_out
 
 __all__ = ["SYSTEMS", "CONTEXTS", "BATCHES", "NEW_TOKENS", "WARM_REPEATS", "MAX_STEPS_PER_CALL", "BYTES_FORMULA",
            "DEFAULT_OUT", "default_steps_per_call", "prompt_length", "check_inputs", "make_prompts", "bench_realmodel",
@@ -58,7 +59,7 @@ BATCHES = (1, 8)
 NEW_TOKENS = 64
 WARM_REPEATS = 3
 MAX_STEPS_PER_CALL = 8  # the decode claims' steps a program (docs/decisions.md, "n decode steps in one program")
-DEFAULT_OUT = "bench/results/realmodel/realmodel.json"
+DEFAULT_OUT = default_out("realmodel/realmodel.json")
 BYTES_FORMULA = ("bytes_copied_per_token = copied_blocks x block_bytes / (decode steps x batch); block_bytes = "
                  "2 (K and V) x block_size x head_dim x itemsize(dtype): one KV head's block, the unit copied_blocks "
                  "counts (one per sequence, KV head and offloaded layer)")

@@ -33,6 +33,7 @@ from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, measure, q
 from sparda_jax.compress import compress_keys, num_chunks
 from sparda_jax.envinfo import environment
 from sparda_jax.select import select_blocks_forecast, select_blocks_infllmv2
+from sparda_jax.bench import default_out
 
 __all__ = ["bench_select", "selector", "id_check", "plot", "table"]
 
@@ -368,7 +369,7 @@ def plot(json_path) -> str | None:
 
 
 def main(args) -> int:
-    out = args.out or "bench/results/select/select.json"
+    out = args.out or default_out("select/select.json")
     r = bench_select(args.preset, lengths=tuple(args.lengths or (32768, 65536, 131072)), batch=args.batch or 4,
                      decode_batches=tuple(args.decode_batches or (args.batch or 4,)), repeats=args.repeats,
                      variants=args.variants, timed_queries=args.timed_queries or 8192,

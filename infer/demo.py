@@ -98,6 +98,8 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
 def _one(model: Pretrained, case: RetrievalCase, system: str, extra: dict, max_new_tokens: int, log) -> dict:
     """One case under one system: a result dict (see `run_retrieval`)."""
     kw = system_kwargs(extra, system)
+    log(f"[{system}] depth {case.depth:.2f}, {len(case.prompt_ids)} tokens: prefill, then up to {max_new_tokens} "
+        f"new tokens ...")
     timer = StepTimer()
     with CompileClock() as compiles:
         timer.start()

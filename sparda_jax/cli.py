@@ -466,13 +466,23 @@ def _cmd_corpus(args) -> int:
     return 0
 
 
+# benchmarks of GPU kernels at an 8B model's shapes (32K-128K tokens): on a CPU they run the
+# references for hours and take many GiB; realmodel (SmolLM2) runs anywhere
+_GPU_BENCHES = ("train", "copy", "select", "attention", "prefill", "decode", "cta")
+
+
 def _cmd_bench(args) -> int:
-    if args.name == "copy":
+    if args.name == "cta" and args.ctas and "auto" in args.ctas:
+        raise SystemExit("sparda bench cta: --ctas takes counts; the sweep adds the autotuned choice itself")
+    if args.name in _GPU_BENCHES:
         import jax
 
-        if not any(d.platform == "gpu" for d in jax.devices()):
-            print(f"sparda: error: bench copy needs a CUDA GPU (found only {jax.default_backend()})",
-                  file=sys.stderr)
+        if not any(d.platform == "gpu" for d in jax.devices()) and not (args.allow_cpu and args.name != "copy"):
+            what = "the CUDA copy engine" if args.name == "copy" else f"GPU kernels at {args.preset}'s shapes"
+            print(f"sparda: error: bench {args.name} needs a CUDA GPU: it times {what} (found only "
+                  f"{jax.default_backend()})"
+                  + ("" if args.name == "copy" else "; --allow-cpu runs it here anyway (the plain-jnp references: "
+                     "take a small --preset such as tiny, short --lengths, --layers 1)"), file=sys.stderr)
             return 2
     if args.name == "train":
         from .bench.train_step import main as run
@@ -790,6 +800,8 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--max-variant-s", type=float, default=3.0, help="fewer repeats for variants slower than this")
     bn.add_argument("--matmul-n", type=int, default=8192, help="ceiling: n of the n^3 bf16 matmul")
     bn.add_argument("--copy-mib", type=int, default=2048, help="ceiling: MiB of the device copy")
+    bn.add_argument("--allow-cpu", action="store_true",
+                    help="run a GPU benchmark (all but realmodel) without a GPU: the references, for a smoke test")
     bn.add_argument("--out", help="result JSON (default: the benchmark's own folder of the repository's results)")
     bn.set_defaults(fn=_cmd_bench)
 

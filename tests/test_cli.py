@@ -60,6 +60,25 @@ def test_cta_counts_are_positive_integers_or_auto(capsys):
         main(["bench", "cta", "--ctas", "16", "auto"])
 
 
+def test_gpu_benchmarks_refuse_a_machine_without_one(capsys, tmp_path, monkeypatch):
+    import jax
+    import pytest
+
+    from sparda_jax.bench import RESULTS, default_out
+
+    if any(d.platform == "gpu" for d in jax.devices()):
+        pytest.skip("a GPU is here: the benchmarks would run")
+    for name in ("select", "attention", "train", "copy"):
+        assert main(["bench", name]) == 2
+        err = capsys.readouterr().err
+        assert f"bench {name} needs a CUDA GPU: it times" in err
+        assert ("--allow-cpu" in err) == (name != "copy")
+    # default results land in the repository's results folder, wherever the command runs
+    monkeypatch.chdir(tmp_path)
+    assert default_out("select/select.json") == str(RESULTS / "select" / "select.json")
+    assert RESULTS.is_absolute() and (RESULTS / "README.md").is_file()
+
+
 def test_removed_copy_options_are_refused():
     """The engine's copy experiments that lost left the CLI with the engine: asking for one is a
     usage error, not a silent default."""

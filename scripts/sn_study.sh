@@ -17,7 +17,8 @@
 # FT_SELECT (--select-weight), FT_LR (--lr, default 5e-4), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
 # dense / sparse baselines (copy + selection suites, every split, 4K and 8K) and its Forecast
 # (`forecast_study.sh start $FC_RUN SN_STEPS`, FC_RUN default sn_forecast) -> the Forecast's
-# evaluation and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA.
+# evaluation and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA. SN_STEPS=0: the
+# adapter and its baselines only.
 set -u
 DATA=${DATA:-/root/data}
 FC_RUN=${FC_RUN:-sn_forecast}
@@ -57,6 +58,9 @@ sys.exit(r[-1]['heldout_dense'] - r[0]['heldout_dense'] > 0.05)" || { log "adapt
   place
   EVAL_MODEL=smollm2-135m-sparse BASE_TAG=_sn BASE_MODES="dense sparse" EVAL_JOBS=2 \
     bash scripts/forecast_study.sh eval >> "$SN/log" 2>&1 &
+  if [ "${SN_STEPS:-600}" = 0 ]; then  # the adapter's own baselines only (a control arm): no Forecast
+    wait; log "chain done (SN_STEPS=0: baselines only)"; return 0
+  fi
   FRACTION=0.2 bash scripts/forecast_study.sh start "$FC_RUN" "${SN_STEPS:-600}" >> "$SN/log"
   sleep 30
   WAIT_S=100000 bash scripts/forecast_study.sh wait "$FC_RUN" >> "$SN/log"

@@ -232,7 +232,11 @@ def _gather_blocks(run: _Run, host: dict, layer, src, dst, cache_l: dict, *, sta
     the CTA quota (`_wait_blocks` completes them)."""
     names = list(cache_l)
     caches = [cache_l[n] for n in names]
-    pools = [host[n] if run.copy in FFI_IMPLEMENTATIONS else host[n][layer - 1] for n in names]
+    # the reference's layer keeps its leading dim (its blocks flatten in the same order): an
+    # integer index squeezed a one-layer pool by a bitcast in host memory, which XLA's GPU
+    # compiler refused ("Bitcast cannot have different memory spaces")
+    pools = [host[n] if run.copy in FFI_IMPLEMENTATIONS else jax.lax.dynamic_slice_in_dim(host[n], layer - 1, 1)
+             for n in names]
     kw = dict(block_ndim=BLOCK_NDIM, implementation=run.copy)
     if start:
         ctas = lane_ctas(run.num_ctas, caches, block_ndim=BLOCK_NDIM)

@@ -500,11 +500,13 @@ def test_prefill_gives_every_offloaded_layer_buffers_of_its_own(setup, mode):
     assert len(set(pointers)) == len(pointers)
 
 
-@pytest.mark.parametrize("copy_impl", ["xla", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("copy_impl", ["xla", pytest.param("xla", marks=pytest.mark.gpu, id="xla-gpu"),
+                                       pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_one_offloaded_layer_decodes_in_one_program(copy_impl):
     """A model of two layers offloads one: its pools have a leading dim of 1. On the H200 the
-    reference copy's loop of this shape failed to compile (XLA: a bitcast between device and
-    pinned-host memory); the loop must give the step-by-step logits whatever the layer count."""
+    reference copy's loop of this shape failed to compile when the layer was taken by an
+    integer index (XLA: a bitcast between device and pinned-host memory); the loop must give
+    the step-by-step logits whatever the layer count."""
     from sparda_jax.infer.engine import engine_decode_steps
 
     config = TINY.replace(num_layers=2)

@@ -286,8 +286,8 @@ if sys.argv[3] == "store":
     programs.enable_program_store(sys.argv[4])
 c, dtype, n, ffi = get_preset("tiny"), jnp.float32, 70, "host_ffi"
 if sys.argv[2] == "gpu":  # shapes the Mosaic kernels take (bf16, head dim 64, 64-token blocks), the CUDA copy
-    # three layers: with two, XLA failed to compile the reference copy's loop on the H200
-    # (tests/test_engine.py::test_one_offloaded_layer_decodes_in_one_program)
+    # three layers, two offloaded (a one-layer pool is test_engine.py's
+    # test_one_offloaded_layer_decodes_in_one_program)
     c = c.replace(num_layers=3, head_dim=64, sparse=SparseConfig(block_size=64, init_blocks=1, local_blocks=1,
                                                                  topk=4, kernel_size=32, kernel_stride=16, dense_len=0))
     dtype, n, ffi = jnp.bfloat16, 600, "cuda"

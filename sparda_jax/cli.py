@@ -589,14 +589,14 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--system", default="dense_resident",
                    choices=["dense_resident", "sparse_resident", "sparse", "infinigen", "sparda_sync", "sparda"],
                    help="attention system; the last four keep the KV of layers 1.. in host memory")
-    g.add_argument("--steps-per-call", type=int, default=1,
+    g.add_argument("--steps-per-call", type=_positive_int, default=1,
                    help="tokens drawn per device program (sampling on the device, streamed after each call): "
                         "on a GPU at full depth, one program per step is bound by the host")
     g.add_argument("--implementation", type=_implementation, nargs="+", default=[], metavar="OP=NAME",
@@ -737,7 +737,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--weights", choices=["layered", "stacked"], default="layered",
                     help="decode: the engine's steps read per-layer weights (as generate gives them) or the "
                          "stacked tree (each step slices every layer's; XLA copies the o_proj slice)")
-    bn.add_argument("--steps-per-call", type=int,
+    bn.add_argument("--steps-per-call", type=_positive_int,
                     help="decode: decode steps in each timed call, run as one device program "
                          "(infer.engine.engine_decode_steps; XLA records its graphs once for all of them); "
                          "times stay per step (default 1). realmodel: generate's steps_per_call (default: the "

@@ -94,6 +94,10 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, before_load, tmp_path, 
 # argparse refuses these itself: usage plus one error line, exit code 2
 USAGE = [
     ("eval --seqs 0", ["eval", "--suite", "selection", "--seqs", "0"], "--seqs: must be a positive integer, got '0'"),
+    ("generate --steps-per-call 0", ["generate", "--prompt", "x", "--steps-per-call", "0"],
+     "--steps-per-call: must be a positive integer, got '0'"),
+    ("generate --max-new-tokens 0", ["generate", "--prompt", "x", "--max-new-tokens", "0"],
+     "--max-new-tokens: must be a positive integer, got '0'"),
     ("eval --samples 0", ["eval", "--samples", "0"], "--samples: must be a positive integer, got '0'"),
     ("eval --lengths -5", ["eval", "--lengths", "-5"], "--lengths: must be a positive integer"),
     ("train --eval-every -1", ["train", "--out", "x", "--eval-every", "-1"],

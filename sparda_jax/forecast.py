@@ -40,7 +40,7 @@ class ForecastProjection(nn.Module):
 
 
 def init_forecast(config: ModelConfig, key: jax.Array, param_dtype=jnp.float32) -> dict:
-    """Random (untrained) Forecast parameters."""
+    """Random (untrained) Forecast parameters: {"f0_cur": {"kernel": [D, K, Dh]}, "f": {"kernel": [L-1, D, K, Dh]}}."""
     mod = ForecastProjection(config)
     x = jnp.zeros((1, 1, config.hidden_size), jnp.float32)
     k0, kf = jax.random.split(key)

@@ -43,7 +43,7 @@ from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, s
 from sparda_jax.config import Implementations
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import ENGINE_MODES, OFFLOAD_MODES, selector_of
-from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
+from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate, longest_prompt
 from sparda_jax.infer.timing import StepTimer
 from sparda_jax.text import haystack_tokens
 from sparda_jax.bench import default_out
@@ -87,7 +87,7 @@ def prompt_length(context: int, new_tokens: int, max_positions: int) -> int:
         raise ValueError(f"context {context} exceeds the model's {max_positions} positions")
     if -(-context // PAD_MULTIPLE) * PAD_MULTIPLE + new_tokens <= max_positions:
         return context
-    fit = (max_positions - new_tokens) // PAD_MULTIPLE * PAD_MULTIPLE
+    fit = longest_prompt(max_positions, new_tokens)
     if fit < 1:
         raise ValueError(f"new_tokens {new_tokens} leave no room for a prompt in {max_positions} positions")
     return fit

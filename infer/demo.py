@@ -16,10 +16,10 @@ from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.text import haystack_tokens, insert_at_depth
 
 from .engine import selector_of
-from .generate import PAD_MULTIPLE, SamplingConfig, generate
+from .generate import PAD_MULTIPLE, SamplingConfig, generate, longest_prompt
 from .timing import CompileClock, StepTimer
 
-__all__ = ["RetrievalCase", "make_case", "max_context", "run_retrieval", "results_table"]
+__all__ = ["RetrievalCase", "make_case", "run_retrieval", "results_table"]
 
 _FIRST = ["Alice", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiro", "Ines", "Jonas"]
 _LAST = ["Brown", "Okafor", "Lindqvist", "Moreau", "Tanaka", "Castillo", "Novak", "Haddad"]
@@ -61,11 +61,6 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
     return RetrievalCase(pre + body + post, name, room, depth, context_tokens, (start, start + len(fact)))
 
 
-def max_context(max_positions: int, max_new_tokens: int) -> int:
-    """The longest prompt whose padded length plus max_new_tokens fits max_positions."""
-    return (max_positions - max_new_tokens) // PAD_MULTIPLE * PAD_MULTIPLE
-
-
 def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), seed: int = 0,
                   max_new_tokens: int = 32, systems=("dense_resident", "sparse", "sparda"), forecast=None,
                   log=print) -> list[dict]:
@@ -79,7 +74,7 @@ def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), 
     systems miss_rate (blocks copied / blocks selected) and copied_bytes_per_token (else None)."""
     if model.tokenizer is None:
         raise ValueError("the retrieval demo needs a model with a tokenizer")
-    longest = max_context(model.config.max_position_embeddings, max_new_tokens)
+    longest = longest_prompt(model.config.max_position_embeddings, max_new_tokens)
     if context_tokens > longest:
         raise ValueError(f"context_tokens={context_tokens} is past what the model can take: at most {longest} "
                          f"(its context of {model.config.max_position_embeddings} less {max_new_tokens} new tokens, "

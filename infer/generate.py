@@ -20,9 +20,14 @@ from sparda_jax.model import check_token_ids
 from sparda_jax.modes import decode_step, prefill
 from sparda_jax.programs import stored_jit
 
-__all__ = ["SamplingConfig", "generate", "sample_next"]
+__all__ = ["SamplingConfig", "generate", "sample_next", "longest_prompt"]
 
 PAD_MULTIPLE = 64  # prompts are padded to a multiple of this to bound recompilation
+
+
+def longest_prompt(max_positions: int, max_new_tokens: int) -> int:
+    """The longest prompt whose padded length plus max_new_tokens fits max_positions (may be < 1)."""
+    return (max_positions - max_new_tokens) // PAD_MULTIPLE * PAD_MULTIPLE
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,8 @@ import pytest
 
 import sparda_jax as sj
 from sparda_jax.eval.needle import needle_rows
-from sparda_jax.infer.demo import make_case, max_context, run_retrieval
+from sparda_jax.infer.demo import make_case, run_retrieval
+from sparda_jax.infer.generate import longest_prompt
 
 
 def test_the_case_knows_where_its_fact_is():
@@ -18,7 +19,7 @@ def test_the_case_knows_where_its_fact_is():
 
 def test_demo_lengths_out_of_range_name_the_allowed_ones():
     model = sj.load_pretrained("smollm2-135m")
-    assert max_context(8192, 32) == 8128 and max_context(8192, 64) == 8128 and max_context(8192, 65) == 8064
+    assert longest_prompt(8192, 32) == 8128 and longest_prompt(8192, 64) == 8128 and longest_prompt(8192, 65) == 8064
     with pytest.raises(ValueError, match="at most 8128"):
         run_retrieval(model, context_tokens=8192, systems=("dense_resident",))
     with pytest.raises(ValueError, match=r"take at least \d+") as e:

@@ -71,8 +71,8 @@ start() {  # start NAME STEPS: a background training process that outlives this 
   f=$(flags "$name") || return 1
   mkdir -p "$RUNS/$name"
   XLA_PYTHON_CLIENT_MEM_FRACTION=$FRACTION setsid nohup sparda train --out "$RUNS/$name" --steps "$steps" \
-    $COMMON $f >>"$RUNS/$name/log" 2>&1 < /dev/null &
-  echo "started $name ($steps steps): sparda train --out $RUNS/$name --steps $steps $COMMON $f"
+    $COMMON $f ${TRAIN_ARGS:-} >>"$RUNS/$name/log" 2>&1 < /dev/null &
+  echo "started $name ($steps steps): sparda train --out $RUNS/$name --steps $steps $COMMON $f ${TRAIN_ARGS:-}"
 }
 
 status() {
@@ -90,7 +90,8 @@ status() {
 
 evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (baselines once), EVAL_JOBS at a time
   # BASELINES=0: no baselines; BASE_SPLITS / BASE_TAG: the baselines on some splits, in baselines${BASE_TAG}_*.json;
-  # BASE_MODES: which (default: dense sparse infinigen, and sparda with an untrained Forecast)
+  # BASE_MODES: which (default: dense sparse infinigen, and sparda with an untrained Forecast);
+  # BASE_ARGS: more `sparda eval` arguments for the baselines (e.g. --adapter FILE)
   local out=$RUNS/eval; mkdir -p "$out"
   local splits="eval-info eval-man eval-licenses heldout"
   # EVAL_MODEL: another model than SmolLM2 (smollm2-135m-sparse for sn_forecast and its baselines)
@@ -102,8 +103,8 @@ evaluate() {  # eval NAME...: each run's Forecast on the held-out domains (basel
   if [ "${BASELINES:-1}" = 1 ] && [ ! -f "${base}_selection.json" ]; then
     local bs=${BASE_SPLITS:-$splits}
     local bm=${BASE_MODES:-dense sparse infinigen sparda}
-    echo "$sel --splits $bs --modes $bm --forecast random --out ${base}_selection.json" >> "$jobs"
-    echo "$cpy --splits $bs --modes $bm --forecast random --out ${base}_copy.json" >> "$jobs"
+    echo "$sel --splits $bs --modes $bm --forecast random ${BASE_ARGS:-} --out ${base}_selection.json" >> "$jobs"
+    echo "$cpy --splits $bs --modes $bm --forecast random ${BASE_ARGS:-} --out ${base}_copy.json" >> "$jobs"
   fi
   sel="$sel --splits $splits"; cpy="$cpy --splits $splits"
   for name in "$@"; do

@@ -18,60 +18,66 @@
 # dense / sparse baselines (copy + selection suites, every split, 4K and 8K) and its Forecast
 # (`forecast_study.sh start $FC_RUN SN_STEPS`, FC_RUN default sn_forecast) -> the Forecast's
 # evaluation and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA. SN_STEPS=0: the
-# adapter and its baselines only.
+# adapter and its baselines only. Every command after training names the adapter (`--adapter`).
+#
+#   bash scripts/sn_study.sh arm NAME  # one chain in the foreground, in SN=/root/sn_NAME, its baselines
+#                                      # tagged _NAME: arms run one after another in one background shell
 set -u
 DATA=${DATA:-/root/data}
 FC_RUN=${FC_RUN:-sn_forecast}
-SN=/root/sn
+SHIPPED=/root/shipped-adapter.safetensors
+SN=${SN:-/root/sn}
+TAG=${TAG:-_sn}  # the baselines' files: $RUNS/eval/baselines${TAG}_*.json
 RUNS=${RUNS:-/root/study}
 W=sparda_jax/weights
 mkdir -p "$SN" "$RUNS/eval"
 log() { echo "$(date +%T) $*" >> "$SN/log"; }
 
 # Each device call copies the local tree over the machine's, the package's weights included: a file
-# put there (or replaced) by the chain is gone or reverted after the next call. So the chain keeps
-# its adapter and Forecast under $SN and puts them in place again just before each command that
-# loads them (each reads them once, at its start).
+# put there (or replaced) by the chain is gone or reverted after the next call. So every command
+# names the chain's adapter (--adapter $SN/adapter.safetensors), and the demo, which takes the
+# preset's Forecast, gets the chain's put in place just before it starts (it reads it once).
 place() {
-  cp "$SN/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
   [ -f "$SN/forecast.safetensors" ] && cp "$SN/forecast.safetensors" "$W/forecast-smollm2-135m-sparse.safetensors"
   return 0
 }
 
 chain() {
+  local init=${FT_INIT:-}
+  [ "$init" = shipped ] && init=$SHIPPED  # the package's adapter as this call found it (see start)
   if [ -n "${ADAPTER:-}" ]; then
-    cp "$ADAPTER" "$W/adapter-smollm2-135m-sparse.safetensors" || { log "no adapter $ADAPTER"; return 1; }
+    cp "$ADAPTER" "$SN/adapter.safetensors" || { log "no adapter $ADAPTER"; return 1; }
   else
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.4 sparda finetune --model smollm2-135m --data "$DATA" --out "$SN/ft" \
+    XLA_PYTHON_CLIENT_MEM_FRACTION=${FT_MEM:-0.4} sparda finetune --model smollm2-135m --data "$DATA" --out "$SN/ft" \
       --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch "${FT_BATCH:-8}" --micro-batch 2 --lr "${FT_LR:-5e-4}" --rank 32 \
       --save-every 25 --eval-every 50 --eval-seqs 2 --repeat-share 0.25 --scatter-share 0.25 \
       --objective distill --copy-weight "${FT_COPY:-0}" --select-weight "${FT_SELECT:-0}" \
-      ${FT_INIT:+--init-adapter $FT_INIT} > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
+      ${init:+--init-adapter $init} > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
     # a run whose held-out dense NLL rose past 0.05 nats diverged (an 8K run at select weight 2 and
     # lr 5e-4 did): its Forecast and evaluation would waste the machine
     python3 -c "import json,sys; r=[json.loads(l) for l in open('$SN/ft/metrics.jsonl') if 'heldout_dense' in l]
 sys.exit(r[-1]['heldout_dense'] - r[0]['heldout_dense'] > 0.05)" || { log "adapter diverged: held-out dense NLL rose past 0.05 nats; chain stopped"; return 1; }
-    cp "$SN/ft/adapter.safetensors" "$W/adapter-smollm2-135m-sparse.safetensors"
+    cp "$SN/ft/adapter.safetensors" "$SN/adapter.safetensors"
   fi
-  cp "$W/adapter-smollm2-135m-sparse.safetensors" "$SN/adapter.safetensors"
-  log "adapter in place"
+  log "adapter ready: $SN/adapter.safetensors"
   place
-  EVAL_MODEL=smollm2-135m-sparse BASE_TAG=_sn BASE_MODES="dense sparse" EVAL_JOBS=2 \
+  local with="--adapter $SN/adapter.safetensors"
+  EVAL_MODEL=smollm2-135m-sparse BASE_TAG=$TAG BASE_MODES="dense sparse" BASE_ARGS="$with" EVAL_JOBS=2 \
     bash scripts/forecast_study.sh eval >> "$SN/log" 2>&1 &
   if [ "${SN_STEPS:-600}" = 0 ]; then  # the adapter's own baselines only (a control arm): no Forecast
     wait; log "chain done (SN_STEPS=0: baselines only)"; return 0
   fi
-  FRACTION=0.2 bash scripts/forecast_study.sh start "$FC_RUN" "${SN_STEPS:-600}" >> "$SN/log"
+  FRACTION=0.2 TRAIN_ARGS="$with" bash scripts/forecast_study.sh start "$FC_RUN" "${SN_STEPS:-600}" >> "$SN/log"
   sleep 30
   WAIT_S=100000 bash scripts/forecast_study.sh wait "$FC_RUN" >> "$SN/log"
   cp "$RUNS/$FC_RUN/forecast.safetensors" "$SN/forecast.safetensors" || { log "no Forecast"; wait; return 1; }
   place
   for c in 4096 8128; do  # 8K: the prompt and 32 new tokens within the model's 8192
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 sparda demo --model smollm2-135m-sparse --dtype bfloat16 --context $c \
-      --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
+      $with --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
   done
   place
-  BASELINES=0 EVAL_JOBS=2 EVAL_MODEL=smollm2-135m-sparse bash scripts/forecast_study.sh eval "$FC_RUN" >> "$SN/log" 2>&1
+  BASELINES=0 EVAL_JOBS=2 EVAL_MODEL=smollm2-135m-sparse EVAL_ARGS="$with" bash scripts/forecast_study.sh eval "$FC_RUN" >> "$SN/log" 2>&1
   wait
   log "chain done"
 }
@@ -81,9 +87,15 @@ case "${1:-status}" in
     python3 -c "import gguf" || { echo "gguf is not importable: carry .whl"; exit 1; }
     [ -f "$DATA/manifest.json" ] || { echo "no corpus in $DATA: carry .data"; exit 1; }
     [ -n "${SPARDA_SMOLLM2_GGUF:-}" ] || { echo "no SmolLM2 GGUF: carry .model0 and .model1"; exit 1; }
-    export -f chain log place; export DATA SN RUNS W FC_RUN
+    cp -n "$W/adapter-smollm2-135m-sparse.safetensors" "$SHIPPED"  # this call's tree is the package's
+    export -f chain log place; export DATA SN RUNS W FC_RUN TAG SHIPPED
     setsid nohup bash -c chain >> "$SN/log" 2>&1 < /dev/null &
     echo "started; log $SN/log" ;;
+  arm)  # arm NAME: the chain in the foreground, in /root/sn_NAME (FT_* and SN_STEPS as for start;
+    # FT_INIT=shipped needs an earlier `start` or `arm` call's copy of the package's adapter)
+    [ -f "$SHIPPED" ] || cp "$W/adapter-smollm2-135m-sparse.safetensors" "$SHIPPED"
+    SN=/root/sn_$2 TAG=_$2; mkdir -p "$SN"; log "arm $2: FT_SEQ=${FT_SEQ:-4096} FT_BATCH=${FT_BATCH:-8} FT_SELECT=${FT_SELECT:-0} FT_LR=${FT_LR:-5e-4} FT_STEPS=${FT_STEPS:-400} FT_INIT=${FT_INIT:-}"
+    chain >> "$SN/log" 2>&1 ;;
   place) [ -f "$SN/adapter.safetensors" ] && place; true ;;
   status)
     tail -n 12 "$SN/log" 2>/dev/null
@@ -91,10 +103,10 @@ case "${1:-status}" in
     bash scripts/forecast_study.sh status 2>/dev/null | grep -A1 "$FC_RUN" ;;
   collect)  # at most 8 files come back from a call
     dst=${OUT:-/tmp/out}/sn_study; mkdir -p "$dst"
-    tar czf "$dst/records.tgz" -C / --ignore-failed-read root/sn/log root/sn/ft.log root/sn/ft/metrics.jsonl \
-      root/sn/ft/config.json root/sn/ft/metrics.png $(cd / && ls root/sn/demo_* root/study/eval/*_sn_* \
-      root/study/eval/${FC_RUN}_* root/study/$FC_RUN/metrics.jsonl root/study/$FC_RUN/config.json \
-      root/study/$FC_RUN/metrics.png 2>/dev/null)
+    s=${SN#/} r=${RUNS#/}; dst=$dst$(basename "$SN" | sed 's/^sn//'); mkdir -p "$dst"
+    tar czf "$dst/records.tgz" -C / --ignore-failed-read $s/log $s/ft.log $s/ft/metrics.jsonl \
+      $s/ft/config.json $s/ft/metrics.png $(cd / && ls $s/demo_* $r/eval/*${TAG}_* \
+      $r/eval/${FC_RUN}_* $r/$FC_RUN/metrics.jsonl $r/$FC_RUN/config.json $r/$FC_RUN/metrics.png 2>/dev/null)
     cp "$SN/adapter.safetensors" "$SN/forecast.safetensors" "$dst/" 2>/dev/null
     ls -la "$dst" ;;
   *) sed -n '1,16p' "$0"; exit 2 ;;

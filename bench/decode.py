@@ -989,7 +989,7 @@ def main(args) -> int:
         out = args.out or default_out("decode/decode.json")
         real = _parse_real(args.real_miss_rate)
         r = bench_decode(args.preset, lengths=tuple(args.lengths or (131072,)), batches=tuple(args.batches or (4, 8, 16, 32)),
-                         modes=tuple(args.modes or MODES), layers=args.layers or 4, steps=args.repeats,
+                         modes=tuple(args.systems or MODES), layers=args.layers or 4, steps=args.repeats,
                          reuse_fractions=tuple(args.reuse_fractions if args.reuse_fractions is not None else (0.5,)),
                          real_miss_rates=real, real_model=args.real_model, num_ctas=args.ctas[0] if args.ctas else None,
                          budget_s=args.budget_s if args.budget_s is not None else 200.0,

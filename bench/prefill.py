@@ -319,7 +319,7 @@ def main(args) -> int:
     out = args.out or default_out("prefill/prefill.json")
     b = (args.batches or [args.batch or 4])[0]
     r = bench_prefill(args.preset, lengths=tuple(args.lengths or (131072, 65536, 32768)), batch=b,
-                      systems=tuple(args.modes or SYSTEMS), layers=args.layers or 2, repeats=args.repeats,
+                      systems=tuple(args.systems or SYSTEMS), layers=args.layers or 2, repeats=args.repeats,
                       budget_s=args.budget_s if args.budget_s is not None else 130.0,
                       input_correlation=args.input_correlation, out=out)
     return plot_and_print(r, out, plot, table)

@@ -774,21 +774,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="realmodel: also time `sparda generate` for these systems in fresh processes, cold (an empty "
                          "compilation cache) then warm: process start to the first generated text")
     bn.add_argument("--systems", nargs="+",
-                    help="realmodel: dense_resident sparda sparse_resident sparse sparda_sync infinigen (default: all, "
-                         "in this order)")
+                    help="the engine's systems: realmodel dense_resident sparda sparse_resident sparse sparda_sync "
+                         "infinigen (default: all, in this order); decode dense_resident sparse_resident sparse "
+                         "infinigen sparda_sync sparda (default: all); prefill dense_resident sparse sparda")
     bn.add_argument("--contexts", type=int, nargs="+",
                     help="realmodel: prompt tokens (default 4096 8192; shortened where prompt + new tokens pass "
                          "the model's positions)")
     bn.add_argument("--new-tokens", type=int, default=64, help="realmodel: tokens generated per sequence, greedy")
-    bn.add_argument("--modes", nargs="+", help="decode: engine modes (default dense_resident sparse_resident sparse "
-                                               "infinigen sparda_sync sparda); prefill: dense_resident sparse sparda")
     bn.add_argument("--ctas", type=_cta_count, nargs="+", help="cta: CTA counts (default 8 16 32 64); decode: one fixed "
                                                                "count, or 'auto' (autotuned per copy size; default: the "
                                                                "paper's heuristic)")
     bn.add_argument("--reuse-fractions", type=float, nargs="*",
                     help="decode: emulated-reuse variants, fraction of rows repeating their step (default 0.5)")
-    bn.add_argument("--real-miss-rate", nargs="+", metavar="[MODE=]RATE",
-                    help="decode: miss rates measured on a real model (one for all offload modes, or MODE=RATE "
+    bn.add_argument("--real-miss-rate", nargs="+", metavar="[SYSTEM=]RATE",
+                    help="decode: miss rates measured on a real model (one for all offload systems, or SYSTEM=RATE "
                          "pairs; sparda_sync takes sparda's); adds reuse variants emulating them")
     bn.add_argument("--real-model", help="decode: measure the real-model miss rate first (e.g. smollm2-135m)")
     bn.add_argument("--profile-steps", type=int, default=0,

@@ -51,7 +51,7 @@ from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, buil
 from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
 from sparda_jax.envinfo import environment
 from sparda_jax.config import Implementations
-from sparda_jax.infer.engine import (OFFLOAD_MODES, RESIDENT_MODES, EngineConfig, engine_decode_step, engine_decode_steps,
+from sparda_jax.infer.engine import (OFFLOAD_SYSTEMS, RESIDENT_SYSTEMS, EngineConfig, engine_decode_step, engine_decode_steps,
                                      selector_of)
 from sparda_jax.model import layered_params
 from sparda_jax.modes import decode_step, stacked_state
@@ -245,7 +245,7 @@ def decode_config(ctx: _Ctx, mode: str, context: int, batch: int, *, steps: int,
     lg = np.asarray(_first_step(ctx, logits), np.float32)
     chk = {"finite": bool(np.isfinite(np.asarray(logits, np.float32)).all())}
     sel0, cop0 = int(_first_step(ctx, stats["selected_blocks"])), int(_first_step(ctx, stats["copied_blocks"]))
-    if mode in OFFLOAD_MODES:
+    if mode in OFFLOAD_SYSTEMS:
         want = (cfg.num_layers - 1) * batch * cfg.num_kv_heads * min(cfg.sparse.topk, -(-(context + 1) // cfg.sparse.block_size))
         chk.update(step0_selected_blocks=sel0, step0_copied_blocks=cop0, step0_selected_expected=want,
                    counts_ok=bool(sel0 == want and cop0 == sel0))
@@ -355,9 +355,9 @@ def _order(modes, batches):
             return 0
         if b >= PREFETCH_MIN_BATCH and m in ("sparda", "sparda_sync", "sparse"):
             return 1
-        if m in OFFLOAD_MODES and m != "infinigen":
+        if m in OFFLOAD_SYSTEMS and m != "infinigen":
             return 2
-        return 3 if m in RESIDENT_MODES else 4
+        return 3 if m in RESIDENT_SYSTEMS else 4
     pairs = [(m, b) for b in batches for m in modes]
     return sorted(pairs, key=lambda mb: (rank(mb), mb[1], modes.index(mb[0])))
 

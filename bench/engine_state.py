@@ -26,7 +26,7 @@ from sparda_jax.compress import CompressedKeys
 from sparda_jax.config import ModelConfig, get_preset
 from sparda_jax.forecast import init_forecast
 from sparda_jax.infinigen import InfiniGenParams
-from sparda_jax.infer.engine import RESIDENT_MODES, OffloadLayer, OffloadState, host_pool, selector_of
+from sparda_jax.infer.engine import RESIDENT_SYSTEMS, OffloadLayer, OffloadState, host_pool, selector_of
 from sparda_jax.infer.memory import DEVICE_MARGIN, HOST_MARGIN, device_memory_limit, feasibility, host_memory_bytes
 from sparda_jax.model import KVCache, init_params
 from sparda_jax.modes import DecodeState
@@ -144,7 +144,7 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
             cks.append(_ckeys(k, context=context, size=size, kernel_size=sp.kernel_size, stride=sp.kernel_stride))
         if sel == "infinigen":
             pks.append(jnp.einsum("BSKD,KDR->BSKR", k.astype(jnp.float32), infinigen.proj[layer]))
-        if mode in RESIDENT_MODES:
+        if mode in RESIDENT_SYSTEMS:
             ks.append(k)
             vs.append(v)
         elif layer == 0:
@@ -152,7 +152,7 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
         else:
             ks.append(_blocks(k, bs=bs))
             vs.append(_blocks(v, bs=bs))
-    if mode in RESIDENT_MODES:  # per layer, as `engine_prefill` returns it (no stacked copy ever made)
+    if mode in RESIDENT_SYSTEMS:  # per layer, as `engine_prefill` returns it (no stacked copy ever made)
         return tuple(DecodeState(KVCache(ks[i], vs[i]), cks[i] if cks else None, None, None, pks[i] if pks else None)
                      for i in range(config.num_layers))
     if config.has_cis:

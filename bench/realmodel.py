@@ -42,7 +42,8 @@ from sparda_jax.bench.profile import profile_calls, profile_lines
 from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, save_png, write_json
 from sparda_jax.config import Implementations
 from sparda_jax.envinfo import environment
-from sparda_jax.infer.engine import ENGINE_MODES, OFFLOAD_MODES, selector_of
+from sparda_jax.infer.engine import OFFLOAD_SYSTEMS, selector_of
+from sparda_jax.infer.engine import SYSTEMS as ENGINE_SYSTEMS
 from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate, longest_prompt
 from sparda_jax.infer.timing import StepTimer
 from sparda_jax.text import haystack_tokens
@@ -99,9 +100,9 @@ def check_inputs(config, *, systems, contexts, batches, new_tokens: int, steps_p
     to time), steps_per_call < 1. config None: the checks that need no model."""
     if not systems:
         raise ValueError("no systems given")
-    unknown = [s for s in systems if s not in ENGINE_MODES]
+    unknown = [s for s in systems if s not in ENGINE_SYSTEMS]
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; known: {list(ENGINE_MODES)}")
+        raise ValueError(f"unknown system(s) {unknown}; known: {list(ENGINE_SYSTEMS)}")
     if not contexts or not batches:
         raise ValueError("no contexts or no batches given")
     for name, values in (("context", contexts), ("batch", batches)):
@@ -174,7 +175,7 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
         with tempfile.TemporaryDirectory() as d:
             profile = profile_calls(prefill_only, 1, Path(d) / "trace", keep_trace=False)
     rate = cold.steady_tokens_per_s
-    offload = system in OFFLOAD_MODES
+    offload = system in OFFLOAD_SYSTEMS
     bb = block_bytes(model.config, model.dtype)
     tokens = stats["steps"] * batch
     r = {

@@ -64,7 +64,7 @@ def make_case(model: Pretrained, context_tokens: int, depth: float, seed: int) -
 def run_retrieval(model: Pretrained, context_tokens: int = 4096, depths=(0.5,), seed: int = 0,
                   max_new_tokens: int = 32, systems=("dense_resident", "sparse", "sparda"), forecast=None,
                   log=print) -> list[dict]:
-    """Generate an answer for each depth and system (`infer.engine.ENGINE_MODES`); returns one
+    """Generate an answer for each depth and system (`infer.engine.SYSTEMS`); returns one
     result dict per case: mode, context_tokens, depth, expected, answer, correct; the timing of
     `infer.timing.DecodeTiming` in seconds: prefill_s, first_decode_s (the first decode step,
     its compile and the copy library's build included), steady_decode_tokens_per_s over

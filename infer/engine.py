@@ -15,7 +15,7 @@ there) and waited for in layer l+1; `sparda_sync` copies at layer l. A block rea
 prefill writes it or when decode completes it (`scatter_blocks`); until then it lives in its slot,
 always resident because the local window forces it.
 
-Systems (`EngineConfig.mode`): dense_resident and sparse_resident run `sparda_jax.modes` with all
+Systems (`EngineConfig.system`): dense_resident and sparse_resident run `sparda_jax.modes` with all
 KV on the device; sparse, infinigen, sparda_sync and sparda offload.
 """
 
@@ -49,29 +49,29 @@ from sparda_jax.kernels.kv_copy.cuda import register as register_copy_targets
 from .blockcache import assign_slots
 from .generate import sample_next
 
-__all__ = ["ENGINE_MODES", "OFFLOAD_MODES", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
+__all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
            "engine_decode_step", "engine_decode_steps", "engine_generate_steps", "selector_of", "memory_report",
            "resolve"]
 
-OFFLOAD_MODES = ("sparse", "infinigen", "sparda_sync", "sparda")
-RESIDENT_MODES = {"dense_resident": "dense", "sparse_resident": "sparse"}
-ENGINE_MODES = tuple(RESIDENT_MODES) + OFFLOAD_MODES
+OFFLOAD_SYSTEMS = ("sparse", "infinigen", "sparda_sync", "sparda")
+RESIDENT_SYSTEMS = {"dense_resident": "dense", "sparse_resident": "sparse"}
+SYSTEMS = tuple(RESIDENT_SYSTEMS) + OFFLOAD_SYSTEMS
 
 
-def selector_of(mode: str) -> str:
-    """The `sparda_jax.modes` mode whose selection an engine mode uses."""
-    if mode in RESIDENT_MODES:
-        return RESIDENT_MODES[mode]
-    if mode not in OFFLOAD_MODES:
-        raise ValueError(f"unknown engine mode {mode!r}; expected one of {', '.join(ENGINE_MODES)}")
-    return {"sparse": "sparse", "infinigen": "infinigen", "sparda_sync": "sparda", "sparda": "sparda"}[mode]
+def selector_of(system: str) -> str:
+    """The forward mode (`sparda_jax.modes`) whose selection an engine system uses."""
+    if system in RESIDENT_SYSTEMS:
+        return RESIDENT_SYSTEMS[system]
+    if system not in OFFLOAD_SYSTEMS:
+        raise ValueError(f"unknown engine system {system!r}; expected one of {', '.join(SYSTEMS)}")
+    return {"sparse": "sparse", "infinigen": "infinigen", "sparda_sync": "sparda", "sparda": "sparda"}[system]
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """How the engine runs one system.
 
-    mode: one of ENGINE_MODES. n_slots: block-cache slots per (sequence, KV head) and offloaded
+    system: one of SYSTEMS. n_slots: block-cache slots per (sequence, KV head) and offloaded
     layer (None: the budget `sparse.topk`; at least the budget). reuse: keep copied blocks
     across steps (False: the no-reuse baseline, every selected block copied every step).
     num_ctas: the copy kernel's CTA quota: None the paper's rule (16 below batch 32, else 32),
@@ -79,7 +79,7 @@ class EngineConfig:
     backend (`kv_copy` None: the CUDA copy on a CUDA GPU, else the jnp reference).
     """
 
-    mode: str = "sparda"
+    system: str = "sparda"
     n_slots: int | None = None
     reuse: bool = True
     num_ctas: int | str | None = None
@@ -87,8 +87,8 @@ class EngineConfig:
 
     def __post_init__(self):
         c = "EngineConfig"
-        if not isinstance(self.mode, str) or self.mode not in ENGINE_MODES:
-            raise ConfigError(f"EngineConfig.mode: must be one of {ENGINE_MODES}, got {self.mode!r}")
+        if not isinstance(self.system, str) or self.system not in SYSTEMS:
+            raise ConfigError(f"EngineConfig.system: must be one of {SYSTEMS}, got {self.system!r}")
         check_int(c, "n_slots", self.n_slots, lo=1, none_ok=True)
         check_bool(c, "reuse", self.reuse)
         if isinstance(self.num_ctas, str) and self.num_ctas != "auto":
@@ -99,7 +99,7 @@ class EngineConfig:
 
     @property
     def selector(self) -> str:
-        return selector_of(self.mode)
+        return selector_of(self.system)
 
 
 class OffloadLayer(struct.PyTreeNode):
@@ -145,14 +145,14 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     check_lead_forecast(config, engine.selector, "the engine")
     bs = config.sparse.block_size
     cache_size = -(-cache_size // bs) * bs
-    if engine.mode not in RESIDENT_MODES:
+    if engine.system not in RESIDENT_SYSTEMS:
         # the host pools' placement check (and the CUDA copy) need the copy library: its first
         # build runs beside the prefill's compile
         build_in_background(next(iter(jax.tree.leaves(params)[0].devices())))
     last, st = prefill(params, tokens, lengths, config, cache_size=cache_size, mode=engine.selector,
                        forecast=forecast, infinigen=infinigen, dtype=dtype,
                        implementations=engine.implementations)
-    if engine.mode in RESIDENT_MODES:
+    if engine.system in RESIDENT_SYSTEMS:
         return last, layered_state(st)
     n_slots = config.sparse.topk if engine.n_slots is None else engine.n_slots
     if n_slots < config.sparse.topk:
@@ -201,7 +201,7 @@ class _Run:
     def async_copy(self) -> bool:
         """sparda's copy of layer l+1 runs on its own stream during layer l (start ... wait); the
         reference copy is complete when it returns."""
-        return self.engine.mode == "sparda" and self.copy in FFI_IMPLEMENTATIONS
+        return self.engine.system == "sparda" and self.copy in FFI_IMPLEMENTATIONS
 
 
 # Blocks are the trailing (bs, X) dims of the caches [B, K, n_slots, bs, X] and pools [L-1, B, K,
@@ -391,7 +391,7 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     blocks this step completed. Returns (logits [B, V], state, summed counters)."""
     plan = run.plan
     c = plan.config
-    prefetch = run.engine.mode == "sparda"
+    prefetch = run.engine.system == "sparda"
     # with the CUDA copy (or its CPU twin) the layers run as a Python loop: a copy in flight must
     # not cross a loop carry (XLA may copy a carry, reading a buffer the side stream still
     # writes), and the synchronous copies update each layer's buffers in place that way
@@ -508,7 +508,7 @@ def resolve(params, positions, state, config: ModelConfig, engine: EngineConfig,
     implementation and CTA quota). A resident system's stacked state comes back split per layer.
     Public so that a benchmark can copy with exactly the engine's settings."""
     check_layers(params, config)
-    if engine.mode in RESIDENT_MODES:  # nothing is copied: the copy settings do not apply
+    if engine.system in RESIDENT_SYSTEMS:  # nothing is copied: the copy settings do not apply
         state = layered_state(state)
         if state[0].kv.k.shape[0] != np.shape(positions)[-1]:
             raise ValueError(f"the state holds {state[0].kv.k.shape[0]} sequences, the step {np.shape(positions)[-1]}")
@@ -516,14 +516,14 @@ def resolve(params, positions, state, config: ModelConfig, engine: EngineConfig,
                                 implementations=engine.implementations)
         return plan, state
     if not isinstance(state, OffloadState):
-        raise TypeError(f"system {engine.mode!r} needs an OffloadState from engine_prefill")
+        raise TypeError(f"system {engine.system!r} needs an OffloadState from engine_prefill")
     batch = int(state.l0.kv.k.shape[0])
     if np.shape(positions)[-1] != batch:
         raise ValueError(f"the state holds {batch} sequences, the step {np.shape(positions)[-1]}")
     if int(np.max(np.asarray(positions))) + 1 < config.sparse.dense_len:  # host-side: no device op per step
         raise NotImplementedError("offload systems decode sparse only; below dense_len use a resident system")
     sp = config.sparse
-    if engine.mode == "sparda" and sp.local_blocks * sp.block_size < sp.kernel_size:
+    if engine.system == "sparda" and sp.local_blocks * sp.block_size < sp.kernel_size:
         raise ValueError("prefetching needs the local window to cover the newest compressed chunk "
                          "(local_blocks * block_size >= kernel_size)")
     copy = resolve_implementation(engine.implementations.kv_copy)
@@ -549,7 +549,7 @@ def engine_decode_step(params, tokens, positions, state, config: ModelConfig, en
     before the decode loop: the step then slices no weight)."""
     run, state = resolve(params, positions, state, config, engine, forecast=forecast, infinigen=infinigen,
                          dtype=dtype)
-    if engine.mode in RESIDENT_MODES:  # a stacked state was split once (`resolve`); the layered one comes back
+    if engine.system in RESIDENT_SYSTEMS:  # a stacked state was split once (`resolve`); the layered one comes back
         logits, st = decode_program(params, tokens[:, None], positions[:, None], state, forecast, infinigen, plan=run)
         return logits, st, {"copied_blocks": 0, "selected_blocks": 0}
     return _engine_decode(params, tokens, positions, state, forecast, infinigen, run=run)
@@ -605,7 +605,7 @@ def _loop(params, tokens, positions, keys, state, config, engine, forecast, infi
 
 
 def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int | None = None,
-                  dtype=jnp.bfloat16, mode: str = "sparda") -> dict:
+                  dtype=jnp.bfloat16, system: str = "sparda") -> dict:
     """Bytes per component for a batch at a context length (what `engine_prefill` allocates)."""
     it = jnp.dtype(dtype).itemsize
     bs, kh, d, L = config.sparse.block_size, config.num_kv_heads, config.head_dim, config.num_layers
@@ -618,7 +618,7 @@ def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int
         "device: compressed keys": L * batch * n_c * kh * d * it,
         "device: block cache": 2 * (L - 1) * batch * kh * n_slots * bs * d * it,
     }
-    if mode in RESIDENT_MODES:
+    if system in RESIDENT_SYSTEMS:
         rep = {"device: K/V, all layers": L * kv_layer}
     else:
         rep["host: K/V of layers 1..L-1"] = (L - 1) * kv_layer

@@ -179,9 +179,9 @@ def _admit_memory(params, config: ModelConfig, batch: int, cache_size: int, engi
     from .memory import check_fits
 
     weights = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
-    mode = "dense_resident" if engine is None else engine.mode
+    system = "dense_resident" if engine is None else engine.system
     n_slots = None if engine is None else engine.n_slots
-    check_fits(config, mode, batch=batch, context=cache_size, weights=weights, n_slots=n_slots, dtype=dtype)
+    check_fits(config, system, batch=batch, context=cache_size, weights=weights, n_slots=n_slots, dtype=dtype)
 
 
 def _budget_within_cache(config: ModelConfig, cache_size: int) -> ModelConfig:

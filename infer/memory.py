@@ -43,11 +43,11 @@ def device_memory_limit() -> int | None:
     return stats.get("bytes_limit") or None
 
 
-def feasibility(full: ModelConfig, mode: str, *, batch: int, context: int, weights: int, n_slots: int | None = None,
+def feasibility(full: ModelConfig, system: str, *, batch: int, context: int, weights: int, n_slots: int | None = None,
                 dtype="bfloat16", host_bytes: int | None = None, device_bytes: int | None = None) -> dict:
-    """Does the model's state for (mode, batch, context), with `weights` bytes of weights, fit?
+    """Does the model's state for (system, batch, context), with `weights` bytes of weights, fit?
     Returns {"fits", "reason", the bytes needed and available, "memory_report"}."""
-    rep = memory_report(full, batch=batch, context=context, mode=mode, n_slots=n_slots, dtype=dtype)
+    rep = memory_report(full, batch=batch, context=context, system=system, n_slots=n_slots, dtype=dtype)
     host_bytes = host_memory_bytes() if host_bytes is None else host_bytes
     device_bytes = device_memory_limit() if device_bytes is None else device_bytes
     dev_need = rep["device total"] + weights
@@ -67,10 +67,10 @@ def feasibility(full: ModelConfig, mode: str, *, batch: int, context: int, weigh
             "layers": full.num_layers}
 
 
-def check_fits(config: ModelConfig, mode: str, *, batch: int, context: int, weights: int, **kw) -> dict:
+def check_fits(config: ModelConfig, system: str, *, batch: int, context: int, weights: int, **kw) -> dict:
     """`feasibility`, raising InsufficientMemory (with the bytes) where the state does not fit."""
-    f = feasibility(config, mode, batch=batch, context=context, weights=weights, **kw)
+    f = feasibility(config, system, batch=batch, context=context, weights=weights, **kw)
     if not f["fits"]:
-        raise InsufficientMemory(f"batch {batch} x {context} tokens in mode {mode!r} of {config.name} does not fit "
+        raise InsufficientMemory(f"batch {batch} x {context} tokens in system {system!r} of {config.name} does not fit "
                                  f"this machine: {f['reason']}; use a smaller batch or context")
     return f

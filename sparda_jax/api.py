@@ -199,7 +199,7 @@ def mode_kwargs(extra: dict, mode: str) -> dict:
 
 
 def system_kwargs(extra: dict, system: str) -> dict:
-    """`generate`'s keyword arguments for an engine system (`infer.engine.ENGINE_MODES`, e.g.
+    """`generate`'s keyword arguments for an engine system (`infer.engine.SYSTEMS`, e.g.
     "sparda"): engine=EngineConfig(system) and the Forecast or InfiniGen calibration its selector
     needs out of `prepare_modes`' result. Raises ConfigError (a ValueError) for an unknown system."""
     from .infer.engine import EngineConfig

@@ -132,9 +132,9 @@ def _load(args):
 def _prebuild_copy_library(systems) -> None:
     """An offload system on a CUDA GPU needs the copy library (`infer.engine.engine_prefill` starts
     its build too): started here, its first build (nvcc, seconds) also overlaps the model's load."""
-    from .infer.engine import RESIDENT_MODES
+    from .infer.engine import RESIDENT_SYSTEMS
 
-    if any(s not in RESIDENT_MODES for s in systems):
+    if any(s not in RESIDENT_SYSTEMS for s in systems):
         from .kernels.kv_copy import build_in_background
 
         build_in_background()

@@ -163,7 +163,7 @@ BAD = [
     ("sampling.seed=1.5", lambda: SamplingConfig(seed=1.5), ConfigError, r"SamplingConfig\.seed: must be an int"),
     ("sampling.seed=-1", lambda: SamplingConfig(seed=-1), ConfigError, r"SamplingConfig\.seed: must be >= 0"),
     # EngineConfig
-    ("engine.mode=None", lambda: EngineConfig(None), ConfigError, r"EngineConfig\.mode"),
+    ("engine.system=None", lambda: EngineConfig(None), ConfigError, r"EngineConfig.system"),
     ("engine.n_slots=4.0", lambda: EngineConfig(n_slots=4.0), ConfigError, r"EngineConfig\.n_slots: must be an int"),
     ("engine.n_slots=0", lambda: EngineConfig(n_slots=0), ConfigError, r"EngineConfig\.n_slots: must be >= 1"),
     ("engine.reuse=1", lambda: EngineConfig(reuse=1), ConfigError, r"EngineConfig\.reuse: must be a bool"),

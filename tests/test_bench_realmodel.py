@@ -192,9 +192,9 @@ def test_claims_at_4k_batch_1():
 
 
 def test_defaults():
-    from sparda_jax.infer.engine import ENGINE_MODES
+    from sparda_jax.infer.engine import SYSTEMS
 
-    assert sorted(RM.SYSTEMS) == sorted(ENGINE_MODES) and RM.SYSTEMS[:2] == ("dense_resident", "sparda")
+    assert sorted(RM.SYSTEMS) == sorted(SYSTEMS) and RM.SYSTEMS[:2] == ("dense_resident", "sparda")
     # no shorter last call, at least 3 calls, at most 8 steps a call
     assert [RM.default_steps_per_call(n) for n in (64, 65, 8, 9, 2, 3)] == [7, 8, 1, 2, 1, 1]
     assert RM.prompt_length(4096, 64, 8192) == 4096

@@ -145,17 +145,17 @@ def test_generate_refuses_a_state_larger_than_memory(monkeypatch, tiny_params, l
     from sparda_jax.forecast import init_forecast
     from sparda_jax.infer.generate import SamplingConfig, generate
 
-    need = memory_report(TINY, batch=2, context=4096, mode="sparda", dtype="float32")
+    need = memory_report(TINY, batch=2, context=4096, system="sparda", dtype="float32")
     weights = sum(a.nbytes for a in jax.tree.leaves(tiny_params))
     # a host just too small for the offloaded K/V (the CPU's "device" shares it), then large enough
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: int((need["host total"] + need["device total"] + weights)
                                                               / memory.HOST_MARGIN) - 1)
     monkeypatch.setattr(memory, "device_memory_limit", lambda: None)
     args = (tiny_params, TINY, [[5, 6, 7], [8, 9]], SamplingConfig(max_new_tokens=4096 - 64))
-    with pytest.raises(memory.InsufficientMemory, match=r"batch 2 x 4096 tokens in mode 'sparda'.*host needs"):
-        generate(*args, engine=EngineConfig(mode="sparda"))
+    with pytest.raises(memory.InsufficientMemory, match=r"batch 2 x 4096 tokens in system 'sparda'.*host needs"):
+        generate(*args, engine=EngineConfig(system="sparda"))
     f = init_forecast(TINY, jax.random.key(1))
-    out = generate(*args[:3], SamplingConfig(max_new_tokens=2), engine=EngineConfig(mode="sparda"), forecast=f)
+    out = generate(*args[:3], SamplingConfig(max_new_tokens=2), engine=EngineConfig(system="sparda"), forecast=f)
     assert [len(o) for o in out] == [2, 2]
     # the CLI's answer: one line, exit 2
     monkeypatch.setattr(memory, "host_memory_bytes", lambda: 10**6)

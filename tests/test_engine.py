@@ -240,7 +240,7 @@ def test_more_slots_fewer_copies(setup):
 
 def test_engine_errors(setup):
     params, forecast, ig = setup
-    with pytest.raises(ConfigError, match="EngineConfig.mode"):
+    with pytest.raises(ConfigError, match="EngineConfig.system"):
         EngineConfig("quest")
     for bad in (dict(n_slots=0), dict(n_slots=4.0), dict(reuse=1), dict(num_ctas=0), dict(num_ctas="fast"),
                 dict(implementations="xla")):

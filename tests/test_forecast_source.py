@@ -131,7 +131,7 @@ def test_only_the_forward_runs_an_ablation_source(setup):
     from sparda_jax.infer.engine import EngineConfig, engine_prefill
 
     with pytest.raises(NotImplementedError, match="prev_mid"):
-        engine_prefill(params, tokens, jnp.full((2,), T), c, EngineConfig(mode="sparda"), cache_size=T + 8,
+        engine_prefill(params, tokens, jnp.full((2,), T), c, EngineConfig(system="sparda"), cache_size=T + 8,
                        forecast=forecast)
     with pytest.raises(ConfigError, match="source"):
         _with_source("next_input")

@@ -261,7 +261,7 @@ def test_generate_implementation_flag_reaches_the_engine(monkeypatch, capsys):
     _stub_cli_generate(monkeypatch, Tok(), fake_generate)
     argv = ["--no-compile-cache", "generate", "--prompt", "hi", "--max-new-tokens", "1", "--system", "sparda"]
     assert cli.main(argv + ["--implementation", "sparse_attention=xla", "select=xla"]) == 0
-    assert seen["engine"].mode == "sparda"
+    assert seen["engine"].system == "sparda"
     assert seen["engine"].implementations == Implementations(sparse_attention="xla", select="xla")
     assert cli.main(argv) == 0 and seen["engine"].implementations == Implementations()
     for bad, says in (("attention=xla", "OP one of dense_attention"), ("select=cuda", "select's backends are")):

@@ -70,6 +70,12 @@ class ProgramStore:
         self.max_bytes = int(max_bytes)
         self.sources = _Sources.now()  # the package's code as this process loaded it (near enough)
         self.stats = {"loaded": 0, "stored": 0, "compiled": 0, "unkeyed": 0, "discarded": 0, "not_stored": 0}
+        self.events: list[tuple[str, str, str]] = []  # (stats entry and why, program file stem, key's start)
+
+    def count(self, what: str, name: str, key: str = "", why: str = "") -> None:
+        """One more `what` in stats, and its event: which program, and why where stats do not say."""
+        self.stats[what] += 1
+        self.events.append((f"{what}: {why}" if why else what, name.rsplit(".", 1)[-1].strip("_"), key[:12]))
 
     def path(self, name: str, key: str) -> Path:
         return self.directory / f"{name.rsplit('.', 1)[-1].strip('_')}-{key[:40]}.prog"
@@ -101,7 +107,7 @@ class ProgramStore:
             os.utime(p)  # recently used: pruned last
         except OSError:
             pass
-        self.stats["loaded"] += 1
+        self.count("loaded", name, key)
         jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - t0)
         return program
 
@@ -113,7 +119,7 @@ class ProgramStore:
         warnings.warn(f"program store: {p.name} could not be loaded or run ({type(why).__name__}: "
                       f"{str(why)[:300]}); it is removed and the program compiled by the jit from now on",
                       stacklevel=4)
-        self.stats["discarded"] += 1
+        self.count("discarded", name, key)
         try:
             p.unlink(missing_ok=True)
             p.with_suffix(".refused").write_text(f"{type(why).__name__}: {why}\n")
@@ -130,7 +136,7 @@ class ProgramStore:
         from jax.experimental import serialize_executable
 
         if self.sources.changed():
-            self.stats["not_stored"] += 1
+            self.count("not_stored", name, key, "the package's files changed")
             return False
         t0 = time.perf_counter()
         try:
@@ -139,8 +145,8 @@ class ProgramStore:
             shardings = jax.tree.leaves((compiled.input_shardings, compiled.output_shardings))
             ids = sorted({d.id for s in shardings for d in s.device_set})
             data = pickle.dumps((FORMAT, key, payload, in_tree, out_tree, ids))
-        except Exception:  # closed-over constants, an unpicklable tree node: kept in memory only
-            self.stats["not_stored"] += 1
+        except Exception as e:  # closed-over constants, an unpicklable tree node: kept in memory only
+            self.count("not_stored", name, key, f"not serializable ({type(e).__name__})")
             return False
         p = self.path(name, key)
         tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
@@ -152,7 +158,7 @@ class ProgramStore:
             tmp.unlink(missing_ok=True)
             warnings.warn(f"program store: could not write {p} ({e})", stacklevel=4)
             return False
-        self.stats["stored"] += 1
+        self.count("stored", name, key)
         self.prune()
         jax.monitoring.record_event_duration_secs(STORE_EVENT, time.perf_counter() - t0)
         return True
@@ -429,13 +435,13 @@ class StoredJit:
         jit = functools.partial(self.jitted, **statics)
         try:
             key = self._key(statics, tree, sigs, store.sources)
-        except _Unkeyable:
-            store.stats["unkeyed"] += 1
+        except _Unkeyable as e:
+            store.count("unkeyed", self.name, "", f"static {e} has no stable repr")
             return jit, False, None
         refused = store.refused(self.name, key)
         program = None if refused else store.load(self.name, key)
         if refused or (program is None and store.refused(self.name, key)):  # before, or just now by load
-            store.stats["unkeyed"] += 1
+            store.count("unkeyed", self.name, key, "refused")
             return jit, False, None
         if program is None:
             return self._compile(store, key, jit, args, statics, dynamic), False, None
@@ -457,13 +463,13 @@ class StoredJit:
             with _fresh_compile() as seen:
                 program = lowered.compile()
         except _NoFreshCompile:  # another jax: the jit runs it, nothing is stored
-            store.stats["unkeyed"] += 1
+            store.count("unkeyed", self.name, key, "compiled from XLA's cache, not fresh")
             return jit
-        store.stats["compiled"] += 1
+        store.count("compiled", self.name, key)
         if seen == {"compiled"}:  # XLA compiled it now: not an executable from a cache
             store.store(self.name, key, program)
         else:
-            store.stats["not_stored"] += 1
+            store.count("not_stored", self.name, key, "an executable from XLA's cache")
         return program
 
     def _key(self, statics, tree, sigs, sources: _Sources) -> str:

@@ -62,6 +62,8 @@ def test_a_new_instance_loads_the_stored_program_without_tracing(store):
     f2, t2 = _counted()
     got2 = f2(x, st, scale=jnp.float32(2.0), n=3, tag="t")
     assert t2 == [] and store.stats["loaded"] == 1
+    key = store.events[0][2]  # each count is an event naming the program and its key
+    assert store.events == [("compiled", "f", key), ("stored", "f", key), ("loaded", "f", key)]
     for got in (got1, got2):
         jax.tree.map(np.testing.assert_array_equal, got, want)
 
@@ -101,6 +103,7 @@ def test_calls_the_key_cannot_describe_go_through_the_jit(store):
     np.testing.assert_array_equal(f(x, jnp.tanh), jnp.tanh(x) + 1)        # by position
     np.testing.assert_array_equal(jax.jit(lambda x: f(x, fn=jnp.tanh))(x), jnp.tanh(x) + 1)  # tracers
     assert list(store.directory.glob("*.prog")) == [] and store.stats["unkeyed"] == 1
+    assert store.events == [("unkeyed: static fn has no stable repr", "apply", "")]
 
 
 def _apply(x, fn):
@@ -312,7 +315,7 @@ if sys.argv[3] == "jit-then-store":  # the programs in the jit's memory first (f
     programs.enable_program_store(sys.argv[4])
     assert run_all() == out
 s = programs.program_store()
-print(json.dumps({"tokens": out, "stats": s.stats if s else None}))
+print(json.dumps({"tokens": out, "stats": s.stats if s else None, "events": s.events if s else None}))
 """
 
 
@@ -348,7 +351,8 @@ def test_a_second_process_generates_the_same_tokens_from_stored_programs(tmp_pat
     # a load touches its file: those the last process left untouched, named if the count is off
     unused = sorted(p.name for p in Path(store).glob("*.prog") if p.stat().st_mtime < before_second)
     assert second["stats"]["compiled"] == 0 and second["stats"]["loaded"] == stored >= 4, (
-        mixed["stats"], first["stats"], second["stats"], unused)
+        mixed["stats"], first["stats"], second["stats"], unused, "second's events but loads:",
+        [e for e in second["events"] if e[0] != "loaded"], "first's stores:", [e for e in first["events"] if e[0] == "stored"])
     assert second["stats"]["discarded"] == second["stats"]["unkeyed"] == 0
     assert first["tokens"] == second["tokens"]
     if platform == "cpu":

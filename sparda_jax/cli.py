@@ -520,14 +520,16 @@ def _cmd_info(args) -> int:
 
     from .api import ADAPTED_PRESETS
 
-    names = [args.model] if args.model else preset_names()
+    names = [args.model] if args.model else [*preset_names(), *ADAPTED_PRESETS]
     for n in names:
         # an adapted preset (the sparse-native SmolLM2) has its base model's shapes
         c = get_preset(ADAPTED_PRESETS[n] if n in ADAPTED_PRESETS else n)
         shapes = jax.eval_shape(lambda: init_model(c, jax.random.key(0)))
-        print(f"{n:16s} {c.arch:8s} layers {c.num_layers:3d} hidden {c.hidden_size:5d} heads "
+        source = (f"{ADAPTED_PRESETS[n]} with the package's LoRA adapter for sparse attention merged in"
+                  if n in ADAPTED_PRESETS else c.source)
+        print(f"{n:19s} {c.arch:8s} layers {c.num_layers:3d} hidden {c.hidden_size:5d} heads "
               f"{c.num_heads}/{c.num_kv_heads} d_h {c.head_dim} params {param_count(shapes) / 1e6:9.1f}M"
-              f"  [{c.source}]")
+              f"  [{source}]")
     return 0
 
 

@@ -129,6 +129,28 @@ def _load(args):
     return model
 
 
+def _check_forecast_arg(args) -> None:
+    """--forecast names a file that exists (checked before the model loads), or 'random'."""
+    f = getattr(args, "forecast", None)
+    if f and f != "random" and not Path(f).is_file():
+        raise FileNotFoundError(f"Forecast file not found: {f}")
+
+
+def _forecast(args, model):
+    """--forecast as `prepare_modes` takes it: None (the model's shipped Forecast, else an
+    untrained one), 'random', or the file's Forecast; the model's config takes the file's
+    Forecast source, so an ablation's Forecast runs on the state it was trained on."""
+    if not args.forecast or args.forecast == "random":
+        return args.forecast or None
+    import dataclasses
+
+    from .io.forecast_file import forecast_file_source, load_forecast
+
+    model.config = model.config.replace(forecast=dataclasses.replace(
+        model.config.forecast, source=forecast_file_source(args.forecast)))
+    return load_forecast(args.forecast, model.config)
+
+
 def _prebuild_copy_library(systems) -> None:
     """An offload system on a CUDA GPU needs the copy library (`infer.engine.engine_prefill` starts
     its build too): started here, its first build (nvcc, seconds) also overlaps the model's load."""
@@ -145,8 +167,10 @@ def _cmd_generate(args) -> int:
 
     if args.trace:
         _check_output(args.trace)
+    _check_forecast_arg(args)
     _prebuild_copy_library([args.system])
     model = _load(args)
+    forecast = _forecast(args, model)
     tok = model.tokenizer
     if tok is None:
         print("this checkpoint has no tokenizer; cannot generate from text", file=sys.stderr)
@@ -170,7 +194,7 @@ def _cmd_generate(args) -> int:
     from .api import prepare_modes, system_kwargs
     from .infer.engine import selector_of
 
-    extra = prepare_modes(model, [selector_of(args.system)], seed=args.seed)
+    extra = prepare_modes(model, [selector_of(args.system)], seed=args.seed, forecast=forecast)
     kw = system_kwargs(extra, args.system)
     if args.implementation:
         import dataclasses
@@ -224,15 +248,18 @@ def _cmd_demo(args) -> int:
 
     if args.json:
         _check_output(args.json)
+    _check_forecast_arg(args)
     _prebuild_copy_library(args.systems)
     model = _load(args)
+    forecast = _forecast(args, model)
     sp = model.config.sparse
     if sp.topk * sp.block_size >= args.context:  # every block selected: the systems cannot differ in what they read
         print(f"sparda: note: the block budget ({sp.topk} blocks of {sp.block_size} tokens) covers the whole "
               f"{args.context}-token context, so every system reads every block and the sparse ones answer as "
               f"dense does; take --context above {sp.topk * sp.block_size} or a smaller --topk", file=sys.stderr)
     results = run_retrieval(model, context_tokens=args.context, depths=tuple(args.depths),
-                            systems=tuple(args.systems), seed=args.seed, log=lambda s: print(s, file=sys.stderr))
+                            systems=tuple(args.systems), seed=args.seed, forecast=forecast,
+                            log=lambda s: print(s, file=sys.stderr))
     print(results_table(results))
     if args.json:
         write_result(args.json, json.dumps(results, indent=2))
@@ -245,8 +272,7 @@ def _cmd_eval(args) -> int:
     if args.out:
         for suffix in ("", ".md", ".png"):
             _check_output(Path(args.out).with_suffix(suffix) if suffix else args.out)
-    if args.forecast and args.forecast != "random" and not Path(args.forecast).is_file():
-        raise FileNotFoundError(f"Forecast file not found: {args.forecast}")
+    _check_forecast_arg(args)
     splits = None
     if args.splits and not args.text:
         raise ValueError("--splits names splits of a token corpus: give its directory with --text")
@@ -272,16 +298,7 @@ def _cmd_eval(args) -> int:
     t0 = time.perf_counter()
     env = environment()
     out = Path(args.out) if args.out else None
-    forecast = args.forecast if args.forecast == "random" else None
-    if args.forecast and args.forecast != "random":
-        import dataclasses
-
-        from .io.forecast_file import forecast_file_source, load_forecast
-
-        # an ablation's Forecast reads another state (ForecastConfig.source): run it as trained
-        model.config = model.config.replace(forecast=dataclasses.replace(
-            model.config.forecast, source=forecast_file_source(args.forecast)))
-        forecast = load_forecast(args.forecast, model.config)
+    forecast = _forecast(args, model)
 
     def save(result, complete: bool):
         result.update(environment=env, command="sparda " + " ".join(sys.argv[1:]),
@@ -579,6 +596,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--keep", type=int, default=3)
         p.add_argument("--seed", type=int, default=0)
 
+    def forecast_arg(sp):
+        sp.add_argument("--forecast", metavar="FILE",
+                        help="the Forecast of the sparda systems: a .safetensors (`sparda train`'s forecast.safetensors), "
+                             "or 'random' for an untrained one (default: the one shipped for the model, if any)")
+
     def model_args(sp, default="smollm2-135m", adapter=True):
         sp.add_argument("--model", default=default,
                         help="smollm2-135m, smollm2-135m-sparse (with its sparse-attention adapter), a .gguf file "
@@ -594,6 +616,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text (streaming)")
     model_args(g)
+    forecast_arg(g)
     g.add_argument("--prompt", required=True)
     g.add_argument("--raw", action="store_true", help="do not wrap the prompt in the chat template")
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
@@ -623,6 +646,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="systems to compare: dense_resident sparse_resident (all KV on the device), sparse "
                         "infinigen sparda_sync sparda (KV of layers 1.. in host memory); sparda uses the "
                         "Forecast shipped for the model, or an untrained one")
+    forecast_arg(d)
     d.add_argument("--seed", type=int, default=0)
     d.add_argument("--json", help="write the results to this JSON file")
     d.set_defaults(fn=_cmd_demo)
@@ -648,8 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--splits", nargs="+", help="with --text: the corpus splits, a row set each (default: its "
                                                "eval-* splits)")
     e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--forecast", help="a Forecast .safetensors, or 'random' for an untrained one (default: the "
-                                      "one shipped for the model, if any)")
+    forecast_arg(e)
     e.add_argument("--out", help="write JSON here (and a Markdown table beside it)")
     e.set_defaults(fn=_cmd_eval)
 

@@ -70,6 +70,13 @@ ROWS = [
      "{tmp}/random.safetensors: not a readable safetensors file", False),
     ("eval --forecast NaN", ["eval", "--forecast", "{tmp}/nan.safetensors"],
      "{tmp}/nan.safetensors: tensor f0_cur has 2048 non-finite values", False),
+    ("demo --forecast missing", ["demo", "--forecast", "{tmp}/none.safetensors"], "Forecast file not found", True),
+    ("generate --forecast missing", ["generate", "--prompt", "x", "--forecast", "{tmp}/none.safetensors"],
+     "Forecast file not found", True),
+    ("demo --forecast random bytes", ["demo", "--forecast", "{tmp}/random.safetensors"],
+     "{tmp}/random.safetensors: not a readable safetensors file", False),
+    ("generate --forecast NaN", ["generate", "--prompt", "x", "--system", "sparda", "--forecast", "{tmp}/nan.safetensors"],
+     "{tmp}/nan.safetensors: tensor f0_cur has 2048 non-finite values", False),
     ("bench copy on a CPU", ["bench", "copy"], "bench copy needs a CUDA GPU", True),
 ]
 
@@ -162,3 +169,26 @@ def test_generate_refuses_a_state_larger_than_memory(monkeypatch, tiny_params, l
     assert main(["--no-compile-cache", "generate", "--prompt", "x", "--raw", "--max-new-tokens", "4000",
                  "--system", "sparda"]) == 2
     assert "does not fit this machine" in capsys.readouterr().err
+
+
+def test_demo_takes_a_forecast_file_and_an_adapter_reaches_the_loader(tmp_path, loads, monkeypatch):
+    """`demo --forecast FILE` hands that file's Forecast to the retrieval run (default: None, the
+    model's shipped one); `--adapter FILE` reaches load_pretrained."""
+    from sparda_jax import init_forecast
+    from sparda_jax.infer import demo
+    from sparda_jax.io.forecast_file import load_forecast, save_forecast
+
+    f = init_forecast(TINY, jax.random.key(7))
+    save_forecast(tmp_path / "f.safetensors", f, TINY)
+    seen = []
+    monkeypatch.setattr(demo, "run_retrieval", lambda model, **kw: seen.append(kw["forecast"]) or [])
+    monkeypatch.setattr(demo, "results_table", lambda results: "")
+    kw = {}
+    monkeypatch.setattr(api, "load_pretrained",
+                        lambda name, **k: kw.update(k) or Pretrained(TINY, init_model(TINY, jax.random.key(0)),
+                                                                      ByteTokenizer()))
+    assert main(["--no-compile-cache", "demo", "--context", "1024", "--forecast", str(tmp_path / "f.safetensors"),
+                 "--adapter", str(tmp_path / "a.safetensors")]) == 0
+    jax.tree.map(np.testing.assert_array_equal, seen[0], load_forecast(tmp_path / "f.safetensors", TINY))
+    assert kw["adapter"] == str(tmp_path / "a.safetensors")
+    assert main(["--no-compile-cache", "demo", "--context", "1024"]) == 0 and seen[1] is None

@@ -96,7 +96,7 @@ def _stub_cli_generate(monkeypatch, tok, fake_generate) -> None:
 
     monkeypatch.setattr(cli, "_load", lambda args: types.SimpleNamespace(tokenizer=tok, params=None, config=None,
                                                                          dtype=None))
-    monkeypatch.setattr(api, "prepare_modes", lambda model, modes, seed: {})
+    monkeypatch.setattr(api, "prepare_modes", lambda model, modes, seed, forecast: {})
     monkeypatch.setattr(gen, "generate", fake_generate)
 
 

@@ -119,7 +119,7 @@ class ProgramStore:
         warnings.warn(f"program store: {p.name} could not be loaded or run ({type(why).__name__}: "
                       f"{str(why)[:300]}); it is removed and the program compiled by the jit from now on",
                       stacklevel=4)
-        self.count("discarded", name, key)
+        self.count("discarded", name, key, f"{type(why).__name__}: {str(why)[:300]}")
         try:
             p.unlink(missing_ok=True)
             p.with_suffix(".refused").write_text(f"{type(why).__name__}: {why}\n")

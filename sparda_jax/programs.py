@@ -58,6 +58,20 @@ _MEMO_LIMIT = 256  # call signatures kept in memory per function (the jit's own 
 _store: ProgramStore | None = None
 
 
+@functools.cache
+def _load_kernel_runtimes() -> None:
+    """Register the custom-call handlers a stored program may call that JAX registers only as a
+    side effect of lowering a kernel: Mosaic GPU's "mosaic_gpu_v2" (its extension, and the path of
+    its runtime library). A process that loads a program before it has traced any kernel needs
+    them first."""
+    if jax.default_backend() != "gpu":
+        return
+    try:
+        import jax.experimental.mosaic.gpu  # noqa: F401  (its import registers both)
+    except ImportError:  # a jax without Mosaic GPU: its programs hold no such call either
+        pass
+
+
 class ProgramStore:
     """A folder of compiled programs, `<function>-<key>.prog`, the least recently used removed
     once they hold more than `max_bytes`. `stats`: this process's loads, stores and refusals.
@@ -90,6 +104,8 @@ class ProgramStore:
         except OSError:  # none stored (or removed by another process meanwhile)
             return None
         from jax.experimental import serialize_executable
+
+        _load_kernel_runtimes()
 
         try:
             fmt, stored_key, payload, in_tree, out_tree, ids = pickle.loads(data)

@@ -67,7 +67,7 @@ def _load_kernel_runtimes() -> None:
     if jax.default_backend() != "gpu":
         return
     try:
-        import jax.experimental.mosaic.gpu  # noqa: F401  (its import registers both)
+        importlib.import_module("jax.experimental.mosaic.gpu")  # its import registers both
     except ImportError:  # a jax without Mosaic GPU: its programs hold no such call either
         pass
 

@@ -21,7 +21,8 @@ from sparda_jax.config import Implementations, ModelConfig, SparseConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import layer_inputs
 from sparda_jax.ops.sparse_attention import sparse_attention
-from sparda_jax.pipeline import Ctx, Plan, project
+from sparda_jax.compress import compress_keys
+from sparda_jax.pipeline import Ctx, KeySide, Plan, oracle_blocks, project
 from sparda_jax.select import finalize_topk
 
 __all__ = ["attention_mass_topk", "oracle_forward"]
@@ -54,11 +55,14 @@ def attention_mass_topk(q, k, q_positions, sparse: SparseConfig, *, n_blocks: in
     return jnp.moveaxis(ids, 0, 2).reshape(b, kh, n * c, -1)[:, :, :t]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype"))
-def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, logits_at=None):
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "oracle_layers"))
+def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, logits_at=None,
+                   oracle_layers: tuple[int, ...] | None = None):
     """tokens int [B, T] -> (float32 logits [B, T, vocab], ids [L, B, K, T, topk]): the backbone
     with every layer attending to its `attention_mass_topk` blocks (the sparse mode's budget).
-    logits_at int [B, n]: logits at those positions only ([B, n, vocab]), as `forward`'s."""
+    logits_at int [B, n]: logits at those positions only ([B, n, vocab]), as `forward`'s.
+    oracle_layers: only these layers take the oracle's blocks, the others InfLLM-V2's as the
+    sparse mode chooses them (None: every layer), to find the layers whose choice costs most."""
     c = config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -67,10 +71,16 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
     plan = Plan(c, "sparse", False, jnp.dtype(dtype), Implementations())
     ctx = Ctx(DecoderLayer(c, dtype=plan.dtype), cos, sin, positions, n_blocks)
     x = embed(params, tokens, c, plan.dtype)
+    if oracle_layers is not None and not all(0 <= i < c.num_layers for i in oracle_layers):
+        raise ValueError(f"oracle_layers {oracle_layers} name layers outside 0..{c.num_layers - 1}")
     chosen = []
-    for lin in layer_inputs(params, None, None, unroll=True):
+    for i, lin in enumerate(layer_inputs(params, None, None, unroll=True)):
         p = project(plan, ctx, lin, x)
-        ids = attention_mass_topk(p.q, p.k, positions, c.sparse, n_blocks=n_blocks)
+        if oracle_layers is None or i in oracle_layers:
+            ids = attention_mass_topk(p.q, p.k, positions, c.sparse, n_blocks=n_blocks)
+        else:
+            kc = compress_keys(p.k, c.sparse.kernel_size, c.sparse.kernel_stride)
+            ids = oracle_blocks(plan, ctx, p.q, KeySide(kc=kc))
         attn = sparse_attention(p.q, p.k, p.v, ids, positions, block_size=c.sparse.block_size)
         x, _ = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
         chosen.append(ids)

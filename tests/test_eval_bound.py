@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from sparda_jax import get_preset, init_model
 from sparda_jax.modes import forward
@@ -78,3 +79,21 @@ def test_with_every_block_kept_the_oracle_model_is_the_dense_model():
     small, _ = oracle_forward(params, tok, TINY)
     dense, sparse = (forward(params, tok, TINY, mode=m) for m in ("dense", "sparse"))
     assert float(jnp.abs(small - dense).max()) > 1e-3 and float(jnp.abs(small - sparse).max()) > 1e-3
+
+
+def test_oracle_in_no_layer_is_the_sparse_mode_and_in_some_layers_lies_between():
+    """oracle_layers=() chooses every layer's blocks as the sparse mode does (InfLLM-V2 from the
+    layer's own queries): the same logits and ids as `forward(mode="sparse")`; the oracle in one
+    layer gives other logits than either end, and a layer index outside the model is refused."""
+    params = init_model(TINY, jax.random.key(0))
+    tok = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 192)), jnp.int32)
+    none, ids = oracle_forward(params, tok, TINY, oracle_layers=())
+    sparse, aux = forward(params, tok, TINY, mode="sparse", collect_selection=True)
+    np.testing.assert_allclose(none, sparse, rtol=2e-5, atol=2e-5)
+    np.testing.assert_array_equal(ids, aux["ids"])
+    every, _ = oracle_forward(params, tok, TINY)
+    one, ids1 = oracle_forward(params, tok, TINY, oracle_layers=(1,))
+    assert float(jnp.abs(one - none).max()) > 1e-3 and float(jnp.abs(one - every).max()) > 1e-3
+    np.testing.assert_array_equal(ids1[0], ids[0])  # layer 0 unchanged: same input, same choice
+    with pytest.raises(ValueError, match="outside 0..2"):
+        oracle_forward(params, tok, TINY, oracle_layers=(3,))

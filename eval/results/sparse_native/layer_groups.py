@@ -1,0 +1,57 @@
+"""Which layers' InfLLM-V2 choice costs the sparse-native SmolLM2 its long-range copy: the sparse
+mode with the attention-mass oracle's blocks (`sparda_jax.eval.bound`) in one group of layers and
+InfLLM-V2's in the others, group by group, beside the oracle in every layer and in none (the
+sparse mode itself), on the held-out copy sequences of `sparda eval --suite copy` (same seed).
+The shipped adapter, float32. Run from the repository root:
+
+    python eval/results/sparse_native/layer_groups.py CORPUS_DIR LENGTH SAMPLES OUT.json SPLIT...
+"""
+
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sparda_jax import api
+from sparda_jax.envinfo import environment
+from sparda_jax.eval.bound import oracle_forward
+from sparda_jax.eval.copy import copy_sequence
+from sparda_jax.eval.heldout import corpus_texts
+
+GROUP = 5  # layers per group: 6 groups of SmolLM2's 30
+
+
+def main(corpus: str, length: int, samples: int, out: str, splits: list[str]) -> None:
+    m = api.load_pretrained("smollm2-135m-sparse")
+    c, sp = m.config, m.config.sparse
+    groups = [tuple(range(i, min(i + GROUP, c.num_layers))) for i in range(0, c.num_layers, GROUP)]
+    arms = {"none (sparse mode)": (), **{f"layers {g[0]}-{g[-1]}": g for g in groups}, "all": None}
+    seqs = [copy_sequence(text.docs, length, i, block_size=sp.block_size, init_blocks=sp.init_blocks,
+                          local_blocks=sp.local_blocks) for text in corpus_texts(corpus, splits, vocab_size=c.vocab_size)
+            for i in range(samples)]
+    t0, rows = time.time(), []
+    for name, layers in arms.items():
+        nll = []
+        for s in seqs:
+            at = jnp.arange(s.repeat - 1, length - 1, dtype=jnp.int32)[None]
+            logits, _ = oracle_forward(m.params, jnp.asarray(s.tokens[None]), c, dtype=m.dtype, logits_at=at,
+                                       oracle_layers=layers)
+            lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
+            target = jnp.asarray(s.tokens[s.repeat:])
+            nll.append(-float(jnp.mean(jnp.take_along_axis(lp, target[:, None], axis=-1))))
+        rows.append({"oracle_layers": name, "copy_nll": float(np.mean(nll)), "copy_nll_per_sample": nll})
+        print(f"{name:20s} {rows[-1]['copy_nll']:.4f}  {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+    result = {"what": f"copy NLL of smollm2-135m-sparse, the oracle's blocks in some layers and InfLLM-V2's in the "
+                      f"others, {length} tokens, {samples} sequences per split of {', '.join(splits)}",
+              "rows": rows, "length": length, "samples": samples, "splits": splits, "budget": vars(sp),
+              "command": "python " + " ".join(sys.argv), "environment": environment(),
+              "seconds": round(time.time() - t0, 1)}
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])

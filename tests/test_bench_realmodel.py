@@ -220,15 +220,16 @@ def test_the_results_index_shows_the_run_once_committed(grid, tmp_path, monkeypa
     from sparda_jax.bench import index
 
     monkeypatch.setattr(index, "RESULTS", tmp_path)
-    assert index._realmodel_section() == []  # no run committed yet: no section
-    r, out, _ = grid
     (tmp_path / "realmodel").mkdir()
+    assert index._realmodel_sections() == []  # no run committed yet: no section
+    r, out, _ = grid
     (tmp_path / "realmodel" / "realmodel.json").write_text(out.read_text())
-    page = "\n".join(index._realmodel_section())
+    page = "\n".join(index._realmodel_sections())
     for x in r["rows"]:
         assert (f"| {CONTEXT} | {x['batch']} | {index.LABELS[x['system']]} | {x['steady_tokens_per_s']:.1f} | "
                 f"{x['prefill_s']:.3f} |") in page
-    assert f"({r['environment']['commit'][:7]}, {r['environment']['device']})" in page
+    assert f"### `realmodel/realmodel.json` ({r['environment']['commit'][:7]}, " in page
+    assert f"({r['environment']['device']}; no paper figure)" in page
 
 
 def test_cli_first_token_runs_generate_cold_then_warm_and_keeps_its_lines(monkeypatch):

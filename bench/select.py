@@ -5,10 +5,12 @@ sequence), each beside the sparse attention time of the same layer, measured in 
 Variants (each CHECKED against the jnp selector in f32 at highest matmul precision before it is
 timed: fraction of identical ids on a slice of rows; a failed check keeps its time, flagged, and
 is left out of "best"):
-  forecast_xla     select_blocks_forecast(..., implementation="xla")
-  forecast_mosaic  select_blocks_forecast(..., implementation="mosaic_gpu")
-  infllmv2_xla     select_blocks_infllmv2(..., implementation="xla") (exact LSE)
-  infllmv2_mosaic  select_blocks_infllmv2(..., implementation="mosaic_gpu")
+  forecast_xla         select_blocks_forecast(..., implementation="xla")
+  forecast_mosaic_gpu  select_blocks_forecast(..., implementation="mosaic_gpu")
+  infllmv2_xla         select_blocks_infllmv2(..., implementation="xla") (exact LSE)
+  infllmv2_mosaic_gpu  select_blocks_infllmv2(..., implementation="mosaic_gpu")
+(Runs before the names took the implementation's spelling call the last two forecast_mosaic and
+infllmv2_mosaic.)
 A backend that cannot run here (no Hopper GPU) or fails to compile records why.
 
 Prefill: every variant runs on the same query slice (runs of 512 consecutive queries spread
@@ -38,13 +40,13 @@ from sparda_jax.bench import default_out
 __all__ = ["bench_select", "selector", "id_check", "plot", "table"]
 
 # kernels under test last: a fault that kills the process loses only them (JSON snapshots)
-VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_mosaic", "infllmv2_mosaic")
+VARIANTS = ("forecast_xla", "infllmv2_xla", "forecast_mosaic_gpu", "infllmv2_mosaic_gpu")
 # variant name -> (family, selector, implementation)
 _SELECTORS = {
     "forecast_xla": ("forecast", select_blocks_forecast, "xla"),
     "infllmv2_xla": ("infllmv2", select_blocks_infllmv2, "xla"),
-    "forecast_mosaic": ("forecast", select_blocks_forecast, "mosaic_gpu"),
-    "infllmv2_mosaic": ("infllmv2", select_blocks_infllmv2, "mosaic_gpu"),
+    "forecast_mosaic_gpu": ("forecast", select_blocks_forecast, "mosaic_gpu"),
+    "infllmv2_mosaic_gpu": ("infllmv2", select_blocks_infllmv2, "mosaic_gpu"),
 }
 # Reduced precision only swaps near-tied blocks at the top-k boundary (a few ids in a thousand);
 # a wrong mask or pooling keeps little more than the 34 forced blocks of 96 (agreement ~0.4).

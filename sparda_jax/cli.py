@@ -746,7 +746,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="train: time one device and a data-parallel mesh of this many in the same run (0: all)")
     bn.add_argument("--decode-batches", type=int, nargs="+",
                     help="decode batches (attention default 16 64; select default: --batch)")
-    bn.add_argument("--variants", nargs="+", help="select: forecast_xla infllmv2_xla forecast_mosaic infllmv2_mosaic; "
+    bn.add_argument("--variants", nargs="+", help="select: forecast_xla infllmv2_xla forecast_mosaic_gpu infllmv2_mosaic_gpu; "
                                                   "attention: xla cudnn mosaic_gpu dense_xla")
     bn.add_argument("--timed-queries", type=int,
                     help="queries per sequence for sliced variants (select default 8192, attention 2048)")

@@ -154,15 +154,15 @@ def test_correlated_queries_are_unit_ar1_and_shrink_the_tile_union(tmp_path):
 def test_select_bench_smoke_on_cpu(tmp_path):
     from sparda_jax.bench.select import bench_select, id_check, table
 
-    r = bench_select("tiny", timed_queries=256, variants=("forecast_xla", "infllmv2_xla", "forecast_mosaic",
-                                                          "infllmv2_mosaic"), **_tiny_kw(tmp_path, "select"))
+    r = bench_select("tiny", timed_queries=256, variants=("forecast_xla", "infllmv2_xla", "forecast_mosaic_gpu",
+                                                          "infllmv2_mosaic_gpu"), **_tiny_kw(tmp_path, "select"))
     assert r["complete"] and [c["phase"] for c in r["cases"]] == ["prefill", "decode"]
     for c in r["cases"]:
         for n in ("forecast_xla", "infllmv2_xla"):
             v = c["variants"][n]
             assert v["status"] == "ok" and v["check"]["passed"] and v["check"]["id_agreement"] == 1.0
             assert v["seconds_layer"] > 0 and v["floor_seconds"] > 0
-        assert c["variants"]["infllmv2_mosaic"]["status"].startswith("unavailable")
+        assert c["variants"]["infllmv2_mosaic_gpu"]["status"].startswith("unavailable")
         assert c["best_forecast"] == "forecast_xla" and c["best_infllmv2"] == "infllmv2_xla"
         assert c["speedup_forecast"] > 0 and c["attention_seconds_layer"] > 0 and c["attention_variant"] == "xla"
         # the attention floor is the layer's (a prefill slice's floor scaled like its seconds)
@@ -359,14 +359,14 @@ def test_select_bench_decode_only_names_each_implementation(tmp_path):
     from sparda_jax.bench.select import bench_select, selector
     from sparda_jax.config import SparseConfig
 
-    r = bench_select("tiny", variants=("forecast_xla", "forecast_mosaic"),
+    r = bench_select("tiny", variants=("forecast_xla", "forecast_mosaic_gpu"),
                      prefill=False, **_tiny_kw(tmp_path, "select_decode"))
     assert r["config"]["phases"] == ["decode"] and [c["phase"] for c in r["cases"]] == ["decode"]
     v = r["cases"][0]["variants"]
     assert v["forecast_xla"]["status"] == "ok"
     # compiled Mosaic (not interpreted) cannot run on the CPU: the row says why, the run goes on
-    assert v["forecast_mosaic"]["status"] != "ok" or jax.default_backend() == "gpu"
-    fam, fn = selector("infllmv2_mosaic", SparseConfig(), 8)
+    assert v["forecast_mosaic_gpu"]["status"] != "ok" or jax.default_backend() == "gpu"
+    fam, fn = selector("infllmv2_mosaic_gpu", SparseConfig(), 8)
     assert fam == "infllmv2" and fn.keywords["implementation"] == "mosaic_gpu"
     assert selector("forecast_xla", SparseConfig(), 8)[1].keywords["implementation"] == "xla"
     for gone in ("forecast_xla@count_topk", "forecast_xla@mosaic_topk", "forecast_mosaic@bisect"):

@@ -1,7 +1,7 @@
 """`sparda bench decode` / `sparda bench cta`: decode tokens/s of every system (paper Table 4)
 and vs the copy kernel's CTA quota (Table 7), through `infer.engine.engine_decode_step`.
 
-Systems (engine modes): dense_resident (Dense+), sparse_resident (Sparse+), sparse, infinigen,
+Systems (`EngineConfig.system`): dense_resident (Dense+), sparse_resident (Sparse+), sparse, infinigen,
 sparda_sync (SparDA without prefetch), sparda. Random weights of the preset's shapes; the
 decode state is built directly (`bench/engine_state.py`: random bf16 K/V of `context` tokens in
 the pinned host pools, compressed keys from those keys), not by a prefill.
@@ -671,7 +671,7 @@ def _run_config(ctx, preset, **kw):
                      "compressed keys from those keys, empty block cache (engine_state.build_state); no prefill",
             "check": f"step 0 row 0 logits vs modes.decode_step (resident, batch 1, same K/V and token): rel err <= "
                      f"{LOGIT_BOUND}; offload step-0 copied == selected == (L-1) B K topk",
-            "attention": "the defaults: offload modes paged_sparse_attention (the paged Mosaic decode kernel on "
+            "attention": "the defaults: offload systems paged_sparse_attention (the paged Mosaic decode kernel on "
                          "Hopper in bf16, else the jnp reference); sparse_resident sparse_attention (Mosaic decode "
                          "kernel on Hopper); dense_resident cuDNN where it applies",
             "selection": "sparda_jax.select defaults: XLA in decode (faster than the kernels there, select.json)",
@@ -965,7 +965,7 @@ def plot(json_path) -> str | None:
 
 
 def _parse_real(items) -> dict | None:
-    """["0.1"] -> the same rate for every offload mode; ["sparse=0.13", "sparda=0.09"] -> per mode."""
+    """["0.1"] -> the same rate for every offload system; ["sparse=0.13", "sparda=0.09"] -> per system."""
     if not items:
         return None
     real = {}

@@ -128,7 +128,7 @@ def _blocks(x, *, bs: int):
 def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, extra_tokens: int = 64,
                 seed: int = 0, n_slots: int | None = None, infinigen: InfiniGenParams | None = None):
     """The state `engine_decode_step(mode=...)` takes after a prompt of `context` tokens in every
-    row: an `OffloadState` for the offload modes, a `modes.DecodeState` per layer for the resident
+    row: an `OffloadState` for the offload systems, a `modes.DecodeState` per layer for the resident
     ones (`modes.layered_state`).
     Room for `extra_tokens` more positions (rounded up to whole blocks)."""
     sp = config.sparse

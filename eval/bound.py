@@ -71,6 +71,8 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
     plan = Plan(c, "sparse", False, jnp.dtype(dtype), Implementations())
     ctx = Ctx(DecoderLayer(c, dtype=plan.dtype), cos, sin, positions, n_blocks)
     x = embed(params, tokens, c, plan.dtype)
+    if oracle_layers is not None and c.has_cis:
+        raise NotImplementedError("oracle_layers: InfLLM-V2's choice here has no NOSA cis stage; use a model without cis")
     if oracle_layers is not None and not all(0 <= i < c.num_layers for i in oracle_layers):
         raise ValueError(f"oracle_layers {oracle_layers} name layers outside 0..{c.num_layers - 1}")
     chosen = []

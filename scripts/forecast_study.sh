@@ -29,10 +29,11 @@
 #   len8k       mix on 8K windows, 4 a step (the same tokens a step)
 #   cont8k      the shipped Forecast trained on with 8K windows, 4 a step (seed 2: other windows)
 #   cont8k2     the same again from the Forecast that cont8k made the shipped one (seed 3)
-#   sn_forecast the Forecast of the sparse-native SmolLM2 (needs its adapter in sparda_jax/weights/),
-#               started from the shipped Forecast
+#   sn_forecast the Forecast of the sparse-native SmolLM2 (sn_forecast_NAME: an arm's), started from
+#               the base model's shipped Forecast; TRAIN_ARGS="--adapter FILE" names the adapter
+#               (else the package's; TRAIN_ARGS: more `sparda train` arguments for any run)
 #   sn_cont     that model's shipped Forecast trained on (seed 1); sn_cont8k the same on 8K windows (seed 2)
-#   sn_sel8k    sn_cont8k on a new adapter (in sparda_jax/weights/; seed 4)
+#   sn_sel8k    sn_cont8k on a new adapter (TRAIN_ARGS="--adapter FILE"; seed 4)
 set -u
 DATA=${DATA:-/root/data}
 RUNS=${RUNS:-/root/study}
@@ -61,7 +62,7 @@ flags() {
     sn_cont)  echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 1" ;;
     sn_cont8k) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 2 --seq-len 8192 --batch 4 --micro-batch 4" ;;
     sn_sel8k) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast shipped --seed 4 --seq-len 8192 --batch 4 --micro-batch 4" ;;
-    sn_forecast) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast sparda_jax/weights/forecast-smollm2-135m.safetensors" ;;
+    sn_forecast|sn_forecast_*) echo "--model smollm2-135m-sparse --data $DATA --teacher 32 16 --repeat-share 0.25 --scatter-share 0.25 --init-forecast sparda_jax/weights/forecast-smollm2-135m.safetensors" ;;
     *) echo "unknown run $1" >&2; return 1 ;;
   esac
 }

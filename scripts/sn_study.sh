@@ -7,7 +7,6 @@
 #   bash scripts/sn_study.sh status    # the chain's log, the runs' steps
 #   bash scripts/sn_study.sh collect   # records, JSONs, adapter and Forecast under $OUT/sn_study
 #
-#   bash scripts/sn_study.sh place     # first in every later call: puts the chain's files back
 #
 # A device machine can be lost mid-chain: end every poll with `collect`, so what the chain has made
 # so far (its adapter once trained, its Forecast, records) is here already; a later machine goes on
@@ -35,12 +34,7 @@ log() { echo "$(date +%T) $*" >> "$SN/log"; }
 
 # Each device call copies the local tree over the machine's, the package's weights included: a file
 # put there (or replaced) by the chain is gone or reverted after the next call. So every command
-# names the chain's adapter (--adapter $SN/adapter.safetensors), and the demo, which takes the
-# preset's Forecast, gets the chain's put in place just before it starts (it reads it once).
-place() {
-  [ -f "$SN/forecast.safetensors" ] && cp "$SN/forecast.safetensors" "$W/forecast-smollm2-135m-sparse.safetensors"
-  return 0
-}
+# names the chain's own files: --adapter $SN/adapter.safetensors, --forecast $SN/forecast.safetensors.
 
 chain() {
   local init=${FT_INIT:-}
@@ -60,7 +54,6 @@ sys.exit(r[-1]['heldout_dense'] - r[0]['heldout_dense'] > 0.05)" || { log "adapt
     cp "$SN/ft/adapter.safetensors" "$SN/adapter.safetensors"
   fi
   log "adapter ready: $SN/adapter.safetensors"
-  place
   local with="--adapter $SN/adapter.safetensors"
   EVAL_MODEL=smollm2-135m-sparse BASE_TAG=$TAG BASE_MODES="dense sparse" BASE_ARGS="$with" EVAL_JOBS=2 \
     bash scripts/forecast_study.sh eval >> "$SN/log" 2>&1 &
@@ -71,12 +64,10 @@ sys.exit(r[-1]['heldout_dense'] - r[0]['heldout_dense'] > 0.05)" || { log "adapt
   sleep 30
   WAIT_S=100000 bash scripts/forecast_study.sh wait "$FC_RUN" >> "$SN/log"
   cp "$RUNS/$FC_RUN/forecast.safetensors" "$SN/forecast.safetensors" || { log "no Forecast"; wait; return 1; }
-  place
   for c in 4096 8128; do  # 8K: the prompt and 32 new tokens within the model's 8192
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.1 sparda demo --model smollm2-135m-sparse --dtype bfloat16 --context $c \
-      $with --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
+      $with --forecast "$SN/forecast.safetensors" --systems dense_resident sparse sparda --json "$SN/demo_$c.json" > "$SN/demo_$c.log" 2>&1 &
   done
-  place
   BASELINES=0 EVAL_JOBS=2 EVAL_MODEL=smollm2-135m-sparse EVAL_ARGS="$with" bash scripts/forecast_study.sh eval "$FC_RUN" >> "$SN/log" 2>&1
   wait
   log "chain done"
@@ -88,15 +79,14 @@ case "${1:-status}" in
     [ -f "$DATA/manifest.json" ] || { echo "no corpus in $DATA: carry .data"; exit 1; }
     [ -n "${SPARDA_SMOLLM2_GGUF:-}" ] || { echo "no SmolLM2 GGUF: carry .model0 and .model1"; exit 1; }
     cp -n "$W/adapter-smollm2-135m-sparse.safetensors" "$SHIPPED"  # this call's tree is the package's
-    export -f chain log place; export DATA SN RUNS W FC_RUN TAG SHIPPED
+    export -f chain log; export DATA SN RUNS W FC_RUN TAG SHIPPED
     setsid nohup bash -c chain >> "$SN/log" 2>&1 < /dev/null &
     echo "started; log $SN/log" ;;
   arm)  # arm NAME: the chain in the foreground, in /root/sn_NAME (FT_* and SN_STEPS as for start;
     # FT_INIT=shipped needs an earlier `start` or `arm` call's copy of the package's adapter)
     [ -f "$SHIPPED" ] || cp "$W/adapter-smollm2-135m-sparse.safetensors" "$SHIPPED"
-    SN=/root/sn_$2 TAG=_$2; mkdir -p "$SN"; log "arm $2: FT_SEQ=${FT_SEQ:-4096} FT_BATCH=${FT_BATCH:-8} FT_SELECT=${FT_SELECT:-0} FT_LR=${FT_LR:-5e-4} FT_STEPS=${FT_STEPS:-400} FT_INIT=${FT_INIT:-}"
+    SN=/root/sn_${2:?usage: arm NAME} TAG=_$2 FC_RUN=sn_forecast_$2; mkdir -p "$SN"; log "arm $2: FT_SEQ=${FT_SEQ:-4096} FT_BATCH=${FT_BATCH:-8} FT_SELECT=${FT_SELECT:-0} FT_LR=${FT_LR:-5e-4} FT_STEPS=${FT_STEPS:-400} FT_INIT=${FT_INIT:-}"
     chain >> "$SN/log" 2>&1 ;;
-  place) [ -f "$SN/adapter.safetensors" ] && place; true ;;
   status)
     tail -n 12 "$SN/log" 2>/dev/null
     tail -c 400 "$SN/ft.log" 2>/dev/null | tr '\r' '\n' | tail -n 2
@@ -109,5 +99,5 @@ case "${1:-status}" in
       $r/eval/${FC_RUN}_* $r/$FC_RUN/metrics.jsonl $r/$FC_RUN/config.json $r/$FC_RUN/metrics.png 2>/dev/null)
     cp "$SN/adapter.safetensors" "$SN/forecast.safetensors" "$dst/" 2>/dev/null
     ls -la "$dst" ;;
-  *) sed -n '1,16p' "$0"; exit 2 ;;
+  *) sed -n '1,26p' "$0"; exit 2 ;;
 esac

@@ -837,7 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
     co = sub.add_parser("corpus", help="the token corpus built from Debian documentation packages")
     csub = co.add_subparsers(dest="corpus_cmd", required=True)
     cb = csub.add_parser("build", help="fetch the packages, extract their text, write token shards + manifest")
-    model_args(cb)
+    model_args(cb, adapter=False)
     cb.add_argument("--out", required=True, help="corpus directory (manifest.json and <split>-NNNNN.npy shards)")
     cb.add_argument("--packages", nargs="+", help="only these packages (default: every source of --kind)")
     cb.add_argument("--kind", choices=("train", "eval", "all"), default="all",

@@ -1,4 +1,4 @@
-"""The offload engine reproduces the resident modes token for token, on the CPU."""
+"""The offload engine reproduces the resident systems token for token, on the CPU."""
 
 from __future__ import annotations
 

@@ -93,12 +93,12 @@ def load_pretrained(name_or_path: str | Path, *, dtype=jnp.float32, param_dtype=
     fallback to the base model) or a missing `adapter` file, CheckpointError (a ValueError) for a
     corrupt adapter or one trained on another base model.
     """
+    if adapter is not None and not Path(adapter).is_file():  # before the model loads: the error costs nothing
+        raise FileNotFoundError(f"adapter file not found: {adapter}")
     if str(name_or_path) in ADAPTED_PRESETS:
         return _load_adapted(str(name_or_path), adapter, dtype=dtype, param_dtype=param_dtype, progress=progress,
                              cache_dir=cache_dir)
     if adapter is not None:
-        if not Path(adapter).is_file():  # before the model loads: the error costs nothing
-            raise FileNotFoundError(f"adapter file not found: {adapter}")
         model = load_pretrained(name_or_path, dtype=dtype, param_dtype=param_dtype, progress=progress,
                                 cache_dir=cache_dir)
         return _merged(model, adapter, model.config.name)
@@ -136,9 +136,7 @@ def _load_adapted(name: str, adapter: str | Path | None, **load_kw) -> Pretraine
     from .io.adapter_file import adapter_path
 
     base = ADAPTED_PRESETS[name]
-    if adapter is not None:
-        if not Path(adapter).is_file():
-            raise FileNotFoundError(f"adapter file not found: {adapter}")
+    if adapter is not None:  # its existence checked by load_pretrained
         return _merged(load_pretrained(base, **load_kw), adapter, name)
     path = adapter_path(name)
     if not path.is_file():  # before the base model loads: the error costs nothing

@@ -58,6 +58,11 @@ _MEMO_LIMIT = 256  # call signatures kept in memory per function (the jit's own 
 _store: ProgramStore | None = None
 
 
+def _stem(name: str) -> str:
+    """A function's qualified name as its stored files and events name it."""
+    return name.rsplit(".", 1)[-1].strip("_")
+
+
 @functools.cache
 def _load_kernel_runtimes() -> None:
     """Register the custom-call handlers a stored program may call that JAX registers only as a
@@ -89,10 +94,10 @@ class ProgramStore:
     def count(self, what: str, name: str, key: str = "", why: str = "") -> None:
         """One more `what` in stats, and its event: which program, and why where stats do not say."""
         self.stats[what] += 1
-        self.events.append((f"{what}: {why}" if why else what, name.rsplit(".", 1)[-1].strip("_"), key[:12]))
+        self.events.append((f"{what}: {why}" if why else what, _stem(name), key[:12]))
 
     def path(self, name: str, key: str) -> Path:
-        return self.directory / f"{name.rsplit('.', 1)[-1].strip('_')}-{key[:40]}.prog"
+        return self.directory / f"{_stem(name)}-{key[:40]}.prog"
 
     def load(self, name: str, key: str):
         """The stored program (a `jax.stages.Compiled`) or None. A file that cannot be loaded
@@ -132,10 +137,10 @@ class ProgramStore:
         later calls of it go through the jit (and XLA's cache), so a program this backend cannot
         store costs one extra compile, not one every run."""
         p = self.path(name, key)
-        warnings.warn(f"program store: {p.name} could not be loaded or run ({type(why).__name__}: "
-                      f"{str(why)[:300]}); it is removed and the program compiled by the jit from now on",
-                      stacklevel=4)
-        self.count("discarded", name, key, f"{type(why).__name__}: {str(why)[:300]}")
+        reason = f"{type(why).__name__}: {str(why)[:300]}"
+        warnings.warn(f"program store: {p.name} could not be loaded or run ({reason}); it is removed and the "
+                      "program compiled by the jit from now on", stacklevel=4)
+        self.count("discarded", name, key, reason)
         try:
             p.unlink(missing_ok=True)
             p.with_suffix(".refused").write_text(f"{type(why).__name__}: {why}\n")

@@ -13,7 +13,7 @@
 # with ADAPTER=that adapter (no training) and FC_RUN's Forecast started again.
 #
 # Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH, FT_COPY,
-# FT_SELECT (--select-weight), FT_LR (--lr, default 5e-4), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
+# FT_SELECT (--select-weight), FT_SELECT_LAYERS (--select-layers, e.g. 15-19), FT_LR (--lr, default 5e-4), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
 # dense / sparse baselines (copy + selection suites, every split, 4K and 8K) and its Forecast
 # (`forecast_study.sh start $FC_RUN SN_STEPS`, FC_RUN default sn_forecast) -> the Forecast's
 # evaluation and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA. SN_STEPS=0: the
@@ -46,7 +46,7 @@ chain() {
       --seq-len "${FT_SEQ:-4096}" --steps "${FT_STEPS:-400}" --batch "${FT_BATCH:-8}" --micro-batch 2 --lr "${FT_LR:-5e-4}" --rank 32 \
       --save-every 25 --eval-every 50 --eval-seqs 2 --repeat-share 0.25 --scatter-share 0.25 \
       --objective distill --copy-weight "${FT_COPY:-0}" --select-weight "${FT_SELECT:-0}" \
-      ${init:+--init-adapter $init} > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
+      ${FT_SELECT_LAYERS:+--select-layers $FT_SELECT_LAYERS} ${init:+--init-adapter $init} > "$SN/ft.log" 2>&1 || { log "finetune failed: $(tail -n 3 "$SN/ft.log")"; return 1; }
     # a run whose held-out dense NLL rose past 0.05 nats diverged (an 8K run at select weight 2 and
     # lr 5e-4 did): its Forecast and evaluation would waste the machine
     python3 -c "import json,sys; r=[json.loads(l) for l in open('$SN/ft/metrics.jsonl') if 'heldout_dense' in l]
@@ -85,7 +85,7 @@ case "${1:-status}" in
   arm)  # arm NAME: the chain in the foreground, in /root/sn_NAME (FT_* and SN_STEPS as for start;
     # FT_INIT=shipped needs an earlier `start` or `arm` call's copy of the package's adapter)
     [ -f "$SHIPPED" ] || cp "$W/adapter-smollm2-135m-sparse.safetensors" "$SHIPPED"
-    SN=/root/sn_${2:?usage: arm NAME} TAG=_$2 FC_RUN=sn_forecast_$2; mkdir -p "$SN"; log "arm $2: FT_SEQ=${FT_SEQ:-4096} FT_BATCH=${FT_BATCH:-8} FT_SELECT=${FT_SELECT:-0} FT_LR=${FT_LR:-5e-4} FT_STEPS=${FT_STEPS:-400} FT_INIT=${FT_INIT:-}"
+    SN=/root/sn_${2:?usage: arm NAME} TAG=_$2 FC_RUN=sn_forecast_$2; mkdir -p "$SN"; log "arm $2: FT_SEQ=${FT_SEQ:-4096} FT_BATCH=${FT_BATCH:-8} FT_SELECT=${FT_SELECT:-0} FT_SELECT_LAYERS=${FT_SELECT_LAYERS:-all} FT_LR=${FT_LR:-5e-4} FT_STEPS=${FT_STEPS:-400} FT_INIT=${FT_INIT:-}"
     chain >> "$SN/log" 2>&1 ;;
   status)
     tail -n 12 "$SN/log" 2>/dev/null

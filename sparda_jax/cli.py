@@ -40,6 +40,21 @@ def _cta_count(s: str):
     return n
 
 
+def _layer_list(s: str) -> tuple[int, ...]:
+    """"15-19" or "3,7,15-19" -> ascending layer indices without repeats."""
+    out = set()
+    try:
+        for part in s.split(","):
+            a, _, b = part.strip().partition("-")
+            lo, hi = int(a), int(b or a)
+            if lo < 0 or hi < lo:
+                raise ValueError
+            out.update(range(lo, hi + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"layers as 15-19 or 3,7,15-19 (indices >= 0), got {s!r}") from None
+    return tuple(sorted(out))
+
+
 def _positive_int(s: str) -> int:
     try:
         n = int(s)
@@ -449,7 +464,7 @@ def _cmd_finetune(args) -> int:
     lora = LoraConfig(rank=args.rank, alpha=float(args.alpha if args.alpha is not None else 2 * args.rank))
     fc = FinetuneConfig(lora=lora, objective=args.objective, dense_weight=args.dense_weight,
                         copy_weight=args.copy_weight, select_weight=args.select_weight,
-                        select_rows=args.select_rows, seq_len=args.seq_len, batch=args.batch,
+                        select_rows=args.select_rows, select_layers=args.select_layers, seq_len=args.seq_len, batch=args.batch,
                         micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, dtype=args.train_dtype,
                         seed=args.seed)
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
@@ -717,6 +732,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "over layers): trains the block choice, which the other terms cannot reach")
     ft.add_argument("--select-rows", type=_positive_int, default=256,
                     help="query rows per sequence the --select-weight term is computed at")
+    ft.add_argument("--select-layers", type=_layer_list, default=(),
+                    help="the layers the --select-weight term averages over, e.g. 15-19 or 3,15-19 (default: all)")
     ft.add_argument("--init-adapter",
                     help="start from this adapter file ('shipped': the package's adapter of the model) instead of "
                          "B = 0; the optimizer starts fresh")

@@ -109,7 +109,18 @@ USAGE = [
     ("eval --lengths -5", ["eval", "--lengths", "-5"], "--lengths: must be a positive integer"),
     ("train --eval-every -1", ["train", "--out", "x", "--eval-every", "-1"],
      "--eval-every: must be an integer >= 0, got '-1'"),
+    ("finetune --select-layers 19-15", ["finetune", "--out", "x", "--select-layers", "19-15"],
+     "--select-layers: layers as 15-19 or 3,7,15-19"),
+    ("finetune --select-layers x", ["finetune", "--out", "x", "--select-layers", "a,3"],
+     "--select-layers: layers as 15-19 or 3,7,15-19"),
 ]
+
+
+def test_layer_lists_parse_to_ascending_indices():
+    from sparda_jax.cli import _layer_list
+
+    assert _layer_list("15-19") == (15, 16, 17, 18, 19)
+    assert _layer_list("7,3,15-16,3") == (3, 7, 15, 16)
 
 
 @pytest.mark.parametrize("argv,message", [u[1:] for u in USAGE], ids=[u[0] for u in USAGE])

@@ -16,7 +16,7 @@ from safetensors.numpy import save_file
 
 from sparda_jax import get_preset, init_model
 from sparda_jax.api import Pretrained
-from sparda_jax.config import Implementations
+from sparda_jax.config import ConfigError, Implementations
 from sparda_jax.io import CheckpointError
 from sparda_jax.io import adapter_file
 from sparda_jax.io.adapter_file import LoraConfig, load_adapter, merge_adapter, save_adapter
@@ -576,6 +576,15 @@ def test_select_weight_adds_each_layers_selection_kl_and_training_lowers_it(tiny
                                     TINY.sparse, fine)
         per_layer.append(float(kl) / int(n))
     np.testing.assert_allclose(float(parts["select_kl"]), np.mean(per_layer), rtol=1e-5)
+    # select_layers: the mean over those layers only
+    aimed = dataclasses.replace(fc, select_layers=(0, 2))
+    _, parts_aimed = finetune_loss(ad, tiny_params, tok, config=TINY, fc=aimed)
+    np.testing.assert_allclose(float(parts_aimed["select_kl"]), (per_layer[0] + per_layer[2]) / 2, rtol=1e-5)
+    for bad in ((2, 0), (1, 1), (-1,), [1]):
+        with pytest.raises(ConfigError, match="select_layers"):
+            dataclasses.replace(fc, select_layers=bad)
+    with pytest.raises(ConfigError, match="select_weight > 0"):
+        dataclasses.replace(FC, select_layers=(1,))
     # the term is learnable through the adapter: a fixed batch, the selection term dominant
     from sparda_jax.train.run import make_mesh, shard_batch
 

@@ -72,7 +72,8 @@ class FinetuneConfig:
     which "distill" inherits only where the base model's dense mode retrieves. select_weight
     s >= 0 adds s times the mean over layers of `losses.selection_alignment` at `select_rows`
     query rows per sequence (`selection_rows`): the only term whose gradient reaches the block
-    choice.
+    choice. select_layers: the layers that mean runs over (ascending, no repeats; empty: all), to
+    aim the term where the choice costs most.
     Defaults: 60 steps of 8 sequences of 4096 tokens (a short first run; docs/finetune.md has
     the longer one), AdamW at a constant 5e-4 (betas 0.9 / 0.999, no weight decay), grad-norm
     clip 1, bf16 compute. `steps` is left out of equality and
@@ -86,6 +87,7 @@ class FinetuneConfig:
     copy_weight: float = 0.0
     select_weight: float = 0.0
     select_rows: int = 256
+    select_layers: tuple[int, ...] = ()
     seq_len: int = 4096
     batch: int = 8
     micro_batch: int = 8
@@ -106,6 +108,13 @@ class FinetuneConfig:
         check_float(c, "copy_weight", self.copy_weight, lo=0)
         check_float(c, "select_weight", self.select_weight, lo=0)
         check_int(c, "select_rows", self.select_rows, lo=1)
+        layers = self.select_layers
+        if (not isinstance(layers, tuple) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers)
+                or list(layers) != sorted(set(layers))):
+            raise ConfigError(f"{c}.select_layers: must be a tuple of ascending layer indices >= 0 without repeats "
+                              f"(empty: all layers), got {layers!r}")
+        if layers and self.select_weight == 0:
+            raise ConfigError(f"{c}.select_layers: given without select_weight > 0; the term it aims is off")
         if not isinstance(self.objective, str) or self.objective not in OBJECTIVES:
             raise ConfigError(f"{c}.objective: must be one of {', '.join(OBJECTIVES)}, got {self.objective!r}")
         check_run_settings(c, self)
@@ -212,7 +221,7 @@ def token_kl(teacher_logits, logits):
 def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: ModelConfig, fc: FinetuneConfig,
                   implementations: Implementations = Implementations()):
     """(1 - w) * L_sparse + w * L_dense (+ fc.copy_weight * the sparse NLL at `copy_positions`,
-    + fc.select_weight * the sparse pass's mean `selection_alignment` per layer;
+    + fc.select_weight * the sparse pass's mean `selection_alignment` over fc.select_layers (all: empty);
     w = fc.dense_weight, the dense pass only when w > 0) of
     the backbone with the adapter merged in, computed in fc.dtype, each term a mean over all
     B * (T - 1) next-token predictions: the NLL of tokens[:, 1:] ("nll"), or the KL from the
@@ -229,7 +238,8 @@ def finetune_loss(adapter: dict, backbone: dict, tokens: jax.Array, *, config: M
         logits["sparse"], aux = forward(params, tokens, config, mode="sparse", dtype=dtype,
                                         implementations=implementations, tap=tap)
         kl, rows = aux["tap"]  # [L] each
-        select_kl = jnp.mean(kl / jnp.maximum(rows, 1).astype(jnp.float32))
+        per_layer = kl / jnp.maximum(rows, 1).astype(jnp.float32)
+        select_kl = jnp.mean(per_layer[jnp.asarray(fc.select_layers)] if fc.select_layers else per_layer)
     nll_modes = modes if fc.objective == "nll" else ("sparse",)
     nll = {m: token_nll(logits[m], tokens) for m in nll_modes}
     parts = {f"nll_{m}": jnp.mean(v) for m, v in nll.items()}
@@ -331,6 +341,8 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
                          f"longer sequences")
     if fc.select_weight > 0:
         selection_rows(fc.seq_len, sp, fc.select_rows)  # ValueError before any work
+    if fc.select_layers and fc.select_layers[-1] >= c.num_layers:
+        raise ValueError(f"select_layers {fc.select_layers}: {c.name} has layers 0-{c.num_layers - 1}")
     init = None
     if init_from is not None:
         init_from = Path(init_from)

@@ -2,11 +2,13 @@
 mode with the attention-mass oracle's blocks (`sparda_jax.eval.bound`) in one group of layers and
 InfLLM-V2's in the others, group by group, beside the oracle in every layer and in none (the
 sparse mode itself), on the held-out copy sequences of `sparda eval --suite copy` (same seed).
-The shipped adapter, float32. Run from the repository root:
+The shipped adapter (or --adapter FILE), float32. Run from the repository root:
 
-    python eval/results/sparse_native/layer_groups.py CORPUS_DIR LENGTH SAMPLES OUT.json SPLIT...
+    python eval/results/sparse_native/layer_groups.py CORPUS_DIR LENGTH SAMPLES OUT.json SPLIT... \
+        [--layers 15-19] [--group-size 1] [--adapter FILE]
 """
 
+import argparse
 import json
 import sys
 import time
@@ -21,14 +23,16 @@ from sparda_jax.eval.bound import oracle_forward
 from sparda_jax.eval.copy import copy_sequence
 from sparda_jax.eval.heldout import corpus_texts
 
-GROUP = 5  # layers per group: 6 groups of SmolLM2's 30
 
-
-def main(corpus: str, length: int, samples: int, out: str, splits: list[str]) -> None:
-    m = api.load_pretrained("smollm2-135m-sparse")
+def main(corpus: str, length: int, samples: int, out: str, splits: list[str], *, layers: tuple[int, ...] | None = None,
+         group_size: int = 5, adapter: str | None = None) -> None:
+    """Groups of group_size consecutive layers among `layers` (default: all of them)."""
+    m = api.load_pretrained("smollm2-135m-sparse", adapter=adapter)
     c, sp = m.config, m.config.sparse
-    groups = [tuple(range(i, min(i + GROUP, c.num_layers))) for i in range(0, c.num_layers, GROUP)]
-    arms = {"none (sparse mode)": (), **{f"layers {g[0]}-{g[-1]}": g for g in groups}, "all": None}
+    layers = tuple(range(c.num_layers)) if layers is None else layers
+    groups = [layers[i:i + group_size] for i in range(0, len(layers), group_size)]
+    name = lambda g: f"layer {g[0]}" if len(g) == 1 else f"layers {g[0]}-{g[-1]}"
+    arms = {"none (sparse mode)": (), **{name(g): g for g in groups}, "all": None}
     seqs = [copy_sequence(text.docs, length, i, block_size=sp.block_size, init_blocks=sp.init_blocks,
                           local_blocks=sp.local_blocks) for text in corpus_texts(corpus, splits, vocab_size=c.vocab_size)
             for i in range(samples)]
@@ -47,6 +51,7 @@ def main(corpus: str, length: int, samples: int, out: str, splits: list[str]) ->
     result = {"what": f"copy NLL of smollm2-135m-sparse, the oracle's blocks in some layers and InfLLM-V2's in the "
                       f"others, {length} tokens, {samples} sequences per split of {', '.join(splits)}",
               "rows": rows, "length": length, "samples": samples, "splits": splits, "budget": vars(sp),
+              "adapter": adapter or "shipped",
               "command": "python " + " ".join(sys.argv), "environment": environment(),
               "seconds": round(time.time() - t0, 1)}
     with open(out, "w") as f:
@@ -54,4 +59,16 @@ def main(corpus: str, length: int, samples: int, out: str, splits: list[str]) ->
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:])
+    from sparda_jax.cli import _layer_list
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("corpus")
+    ap.add_argument("length", type=int)
+    ap.add_argument("samples", type=int)
+    ap.add_argument("out")
+    ap.add_argument("splits", nargs="+")
+    ap.add_argument("--layers", type=_layer_list, help="the layers grouped (default: all)")
+    ap.add_argument("--group-size", type=int, default=5)
+    ap.add_argument("--adapter", help="an adapter file in place of the shipped one")
+    a = ap.parse_args()
+    main(a.corpus, a.length, a.samples, a.out, a.splits, layers=a.layers, group_size=a.group_size, adapter=a.adapter)

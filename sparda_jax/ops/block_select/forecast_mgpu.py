@@ -64,7 +64,7 @@ def block_scores(f_r, kcp, pos, *, offs, block_size=64, kernel_size=32, kernel_s
     scale = 1.0 / math.sqrt(D)
     L = plgpu.Layout.WGMMA
 
-    def body(f_ref, kc_ref, pos_ref, o_ref, f_smem, pos_smem, out_smem, bar):
+    def forecast_block_scores(f_ref, kc_ref, pos_ref, o_ref, f_smem, pos_smem, out_smem, bar):
         b, h = lax.axis_index("b"), lax.axis_index("h")
         t0 = lax.axis_index("t") * 64
         plgpu.copy_gmem_to_smem(f_ref.at[b, h, pl.ds(t0, 64)], f_smem, bar)
@@ -106,7 +106,7 @@ def block_scores(f_r, kcp, pos, *, offs, block_size=64, kernel_size=32, kernel_s
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((B, K, T, NBp), jnp.float32),
+            forecast_block_scores, out_type=jax.ShapeDtypeStruct((B, K, T, NBp), jnp.float32),
             grid=(B, K, T // 64), grid_names=("b", "h", "t"),
             scratch_types=(plgpu.SMEM((64, D), f_r.dtype, transforms=MMA_T),
                                           plgpu.SMEM((64,), jnp.int32),
@@ -165,7 +165,7 @@ def topk_select_rows(scores, k, *, interpret=None):
     lay = _rows_layout(rt, nbp)
     n_id_steps = max(1, math.ceil(math.log2(nbp + 1)))
 
-    def body(s_ref, o_ref, s_smem, o_smem, bar):
+    def topk_rows(s_ref, o_ref, s_smem, o_smem, bar):
         i = lax.axis_index("r")
         plgpu.copy_gmem_to_smem(s_ref.at[pl.ds(i * rt, rt)], s_smem, bar)  # contiguous: one bulk copy
         plgpu.barrier_wait(bar)
@@ -205,7 +205,7 @@ def topk_select_rows(scores, k, *, interpret=None):
         plgpu.wait_smem_to_gmem(0)
 
     out = plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((R // rt, k, rt), jnp.int32),
+            topk_rows, out_type=jax.ShapeDtypeStruct((R // rt, k, rt), jnp.int32),
             grid=(R // rt,), grid_names=("r",),
             scratch_types=(plgpu.SMEM((rt, nbp), jnp.float32), plgpu.SMEM((k, rt), jnp.int32), plgpu.Barrier()),
             interpret=interpret)(scores)

@@ -68,7 +68,7 @@ def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, inte
     scale = 1.0 / math.sqrt(D)
     L = plgpu.Layout.WGMMA
 
-    def body(q_ref, kc_ref, pos_ref, o_ref, q_smem, pos_smem, lse_smem, bar):
+    def infllmv2_head_lse(q_ref, kc_ref, pos_ref, o_ref, q_smem, pos_smem, lse_smem, bar):
         b, h, t, g = (lax.axis_index(n) for n in ("b", "h", "t", "g"))
         plgpu.copy_gmem_to_smem(q_ref.at[b, h, t, pl.ds(g * 64, 64)], q_smem, bar)
         plgpu.copy_gmem_to_smem(pos_ref.at[b, pl.ds(t * 64, 64)], pos_smem, bar)
@@ -101,7 +101,7 @@ def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, inte
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((B, K, Tt, G, 64), jnp.float32),
+            infllmv2_head_lse, out_type=jax.ShapeDtypeStruct((B, K, Tt, G, 64), jnp.float32),
             grid=(B, K, Tt, G), grid_names=("b", "h", "t", "g"),
             scratch_types=(plgpu.SMEM((64, D), q_r.dtype, transforms=MMA_T), plgpu.SMEM((64,), jnp.int32),
                            plgpu.SMEM((64,), jnp.float32), plgpu.Barrier(num_arrivals=2)),
@@ -136,7 +136,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
     scale = 1.0 / math.sqrt(D)
     L = plgpu.Layout.WGMMA
 
-    def body(q_ref, kc_ref, lse_ref, pos_ref, o_ref, q_smem, lse_smem, pos_smem, out_smem, bar, qbar):
+    def infllmv2_block_scores(q_ref, kc_ref, lse_ref, pos_ref, o_ref, q_smem, lse_smem, pos_smem, out_smem, bar, qbar):
         b, h, t = (lax.axis_index(n) for n in ("b", "h", "t"))
         t0 = t * 64
         plgpu.copy_gmem_to_smem(lse_ref.at[b, h, t], lse_smem, bar)
@@ -202,7 +202,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
         plgpu.wait_smem_to_gmem(0)
 
     return plgpu.kernel(
-            body, out_type=jax.ShapeDtypeStruct((B, K, Tt * 64, NBp), jnp.float32),
+            infllmv2_block_scores, out_type=jax.ShapeDtypeStruct((B, K, Tt * 64, NBp), jnp.float32),
             grid=(B, K, Tt), grid_names=("b", "h", "t"),
             scratch_types=(plgpu.SMEM((2, 64, D), q_r.dtype, transforms=MMA_T),
                            plgpu.SMEM((G, 64), jnp.float32), plgpu.SMEM((64,), jnp.int32),

@@ -73,8 +73,8 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
     ids = pad(ids)
     slots = pad(slots) if paged else ids  # unused when contiguous: the cache is addressed by block id
 
-    def body(q_ref, k_ref, v_ref, ids_ref, slots_ref, nv_ref, pos_ref, o_ref, lse_ref,
-             q_smem, ids_smem, slots_smem, q_bar, ids_bar, kv_bar):
+    def sparse_attention_decode(q_ref, k_ref, v_ref, ids_ref, slots_ref, nv_ref, pos_ref, o_ref, lse_ref,
+                                q_smem, ids_smem, slots_smem, q_bar, ids_bar, kv_bar):
         b, h, s = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("s")
         start = s * per
         # this split's window of the block list (and slots) in SMEM: each step reads two entries,
@@ -177,7 +177,7 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
         pl.run_scoped(epilogue, plgpu.SMEM((GP, D), jnp.float32), plgpu.SMEM((GP,), jnp.float32))
 
     return plgpu.kernel(
-            body,
+            sparse_attention_decode,
             out_type=(jax.ShapeDtypeStruct((B, K, n_split, GP, D), jnp.float32),
                                 jax.ShapeDtypeStruct((B, K, n_split, GP), jnp.float32)),
             grid=(B, K, n_split), grid_names=("b", "h", "s"),

@@ -232,7 +232,7 @@ def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, inte
     scale_log2 = LOG2E / math.sqrt(d)
     has_bias = bias_r is not None
 
-    def kernel(*refs):
+    def sparse_attention_prefill(*refs):
         lse_ref = lse_smem = None
         if with_lse:                                        # the lse output and its SMEM buffer
             refs = list(refs)
@@ -302,7 +302,7 @@ def _prefill(q_r, k, v, bias_r, meta, pos, *, gp, p_via_smem, acc_in_place, inte
         scratch.append(plgpu.SMEM((ROWS,), jnp.float32))
         out_type = (out_type, jax.ShapeDtypeStruct(q_r.shape[:3], jnp.float32))
     return plgpu.kernel(
-        kernel,
+        sparse_attention_prefill,
         out_type=out_type,
         grid=(b_, kh, nt), grid_names=("b", "h", "t"),
         scratch_types=tuple(scratch),

@@ -85,7 +85,7 @@ def _dq_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, meta, pos, *, gp, a_via_
     has_bias = bias_r is not None
     row_l = plgpu.Layout.WGMMA.reduce(1)
 
-    def kernel(*refs):
+    def sparse_attention_dq(*refs):
         if has_bias:
             (q_ref, do_ref, lse_ref, delta_ref, k_ref, v_ref, bias_ref, uid_ref, ubit_ref, nu_ref, pos_ref, dq_ref,
              q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, b_smem, a_smem, q_bar, kv_bar) = refs
@@ -152,7 +152,7 @@ def _dq_kernel(q_r, do_r, lse_r, delta_r, k, v, bias_r, meta, pos, *, gp, a_via_
                 plgpu.Barrier(num_arrivals=4),
                 plgpu.Barrier(num_arrivals=3 if has_bias else 2, num_barriers=2)]
     return plgpu.kernel(
-        kernel,
+        sparse_attention_dq,
         out_type=jax.ShapeDtypeStruct(q_r.shape, dtype),
         grid=(b_, kh, nt), grid_names=("b", "h", "t"),
         scratch_types=tuple(scratch),
@@ -171,7 +171,7 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, pos_r, k, v, bias_r, tmeta, *, gp, a_
     has_bias = bias_r is not None
     col_l = plgpu.Layout.WGMMA.reduce(0)
 
-    def kernel(*refs):
+    def sparse_attention_dkdv(*refs):
         if has_bias:
             (q_ref, do_ref, lse_ref, delta_ref, pos_ref, k_ref, v_ref, bias_ref, tile_ref, bit_ref, off_ref,
              dk_ref, dv_ref, db_ref,
@@ -263,7 +263,7 @@ def _dkv_kernel(q_r, do_r, lse_r, delta_r, pos_r, k, v, bias_r, tmeta, *, gp, a_
     if has_bias:
         out_type.append(jax.ShapeDtypeStruct(bias_r.shape, jnp.float32))
     return plgpu.kernel(
-        kernel,
+        sparse_attention_dkdv,
         out_type=tuple(out_type),
         grid=(b_, kh, nb), grid_names=("b", "h", "j"),
         scratch_types=tuple(scratch),

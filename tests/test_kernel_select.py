@@ -14,7 +14,8 @@ from kernel_base import INTERPRET, assert_ids_equal, gpu, lower_for_hopper, mosa
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
-from sparda_jax.ops.block_select.forecast_mgpu import forecast_select, select_topk, topk_reference
+from sparda_jax.ops.block_select.forecast_mgpu import (MIN_CTAS, forecast_select, rows_per_cta, select_topk,
+                                                       topk_reference, topk_select_rows)
 from sparda_jax.ops.block_select.reference import n_blocks_for, select_blocks_forecast_reference
 from sparda_jax.select import select_blocks_forecast
 
@@ -56,6 +57,31 @@ def test_topk_rows_matches_lax_top_k(nb, k, rows):
     assert_ids_equal(got, topk_reference(s, k))
 
 
+def test_rows_per_cta_spreads_a_short_prompt_over_the_grid():
+    # SmolLM2 prefill (3 KV heads, 64 or 128 blocks): a 4K prompt's 12288 rows would be 48 CTAs of
+    # 256; at least MIN_CTAS CTAs unless rows reach 8. Long prompts keep the register cap.
+    assert rows_per_cta(64) == 256 and rows_per_cta(128) == 128 and rows_per_cta(2048) == 8
+    assert rows_per_cta(64, 3 * 4096) == 16 and rows_per_cta(128, 3 * 8192) == 32
+    assert rows_per_cta(64, 8 * 3 * 4096) == 128 and rows_per_cta(2048, 6) == 8
+    for nbp, n in ((64, 12288), (128, 24576), (512, 4 * 8 * 32768), (64, 100)):
+        rt = rows_per_cta(nbp, n)
+        assert rt == 8 or n >= MIN_CTAS * rt
+        assert rt * nbp <= 16384
+
+
+@pytest.mark.parametrize("rows", [8, 32, 256])
+def test_topk_rows_per_cta_is_only_a_tiling(rows):
+    s = _edge_rows(rows, 256, 64, 24)
+    got = jax.jit(functools.partial(topk_select_rows, k=24, rows=rows, interpret=INTERPRET))(s)
+    assert_ids_equal(got, topk_reference(s, 24))
+
+
+@pytest.mark.parametrize("rows,nbp,n", [(12, 64, 48), (512, 64, 512), (256, 128, 256), (8, 64, 12)])
+def test_topk_refuses_a_tiling_it_cannot_run(rows, nbp, n):
+    with pytest.raises(ValueError, match="rows per CTA|multiple of"):
+        topk_select_rows(jnp.zeros((n, nbp), jnp.float32), 4, rows=rows, interpret=INTERPRET)
+
+
 def test_topk_lowers_for_hopper_at_prefill_128k():
     # batch 4 x 2 KV heads x 128K queries, 2048 blocks, topk 96: shapes only, nothing allocated
     s = jax.ShapeDtypeStruct((4 * 2 * 131072, 2048), jnp.float32)
@@ -91,6 +117,15 @@ def test_compiled_matches_jnp_selector(t, kh, d, local, topk, b):
     ref = select_blocks_forecast_reference(f, kc, pos, sp, n_blocks=nb)
     got = jax.jit(functools.partial(forecast_select, sparse=sp, n_blocks=nb))(f, kc, pos)
     assert float(jnp.mean(got == ref)) > 0.999  # f32 sums in another order may swap exact near-ties
+
+
+@gpu
+@pytest.mark.parametrize("rows", [8, 16, 32, 64, 128, 256])
+def test_compiled_topk_every_rows_per_cta(rows):
+    s = jax.random.normal(jax.random.key(rows), (3 * 4096, 64))
+    s = s.at[:6].set(_edge_rows(1, 6, 64, 24))
+    got = jax.jit(functools.partial(topk_select_rows, k=24, rows=rows))(s)
+    assert_ids_equal(got, topk_reference(s, 24))
 
 
 @gpu

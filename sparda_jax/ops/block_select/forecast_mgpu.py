@@ -7,7 +7,7 @@ top-k without sort. The reference is `reference.select_blocks_forecast_reference
    so the pool is an elementwise max over P wgmma outputs. Invisible chunks are -inf; the
    candidate / forced rules of `reference.finalize_topk` are applied in the kernel.
 2. `select_topk` (`topk_select_rows`): many rows per CTA (8 at 2048 blocks, more for shorter
-   rows). Scores map to monotone int32 keys; a 32-step bisection finds the k-th key, a bisection
+   rows, fewer where a short prompt has few rows). Scores map to monotone int32 keys; a 32-step bisection finds the k-th key, a bisection
    over ids breaks ties towards lower ids (lax.top_k's order), and k masked-min reductions emit
    the ids in ascending order, -1 padded; every reduction stays inside one warp.
 
@@ -29,7 +29,7 @@ from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 from sparda_jax.config import SparseConfig
 from sparda_jax.ops._dispatch import lowered_once
 
-__all__ = ["phase_kc", "block_scores", "topk_select_rows", "rows_per_cta", "select_topk",
+__all__ = ["phase_kc", "block_scores", "topk_select_rows", "rows_per_cta", "MIN_CTAS", "select_topk",
            "topk_reference", "forecast_select", "MAX_BLOCKS"]
 
 MAX_BLOCKS = 2048  # one top-k row is 8 x 256 scores (TMA boxes hold <= 256 per dimension)
@@ -134,34 +134,42 @@ def _rows_layout(rt, nbp):
                               vector_dim=-1)
 
 
-def rows_per_cta(nbp):
+MIN_CTAS = 512  # ~4 per SM of an H100/H200: fewer left the top-k latency-bound (topk_rows_sweep.json)
+
+
+def rows_per_cta(nbp, n_rows=None):
     """Rows per CTA of `topk_select_rows`: the largest power of two (8..256) with at most 128
     scores per thread (16384 per warpgroup); the lowering rejects other row counts (48: "Tiling
-    does not apply"; 4: "not canonical")."""
+    does not apply"; 4: "not canonical"). Given n_rows, halved (down to 8) while the grid would
+    have fewer than MIN_CTAS CTAs: a short prompt's few rows then spread over every SM."""
     rt = 8
     while rt < 256 and 2 * rt * nbp <= 16384:
         rt *= 2
+    while n_rows is not None and rt > 8 and n_rows < MIN_CTAS * rt:
+        rt //= 2
     return rt
 
 
-def topk_select_rows(scores, k, *, interpret=None):
+def topk_select_rows(scores, k, *, rows=None, interpret=None):
     """The top-k of many rows per CTA. scores [R, NBp] f32 (NBp % 64 == 0,
-    NBp <= 2048; R % rows_per_cta(NBp) == 0; -inf: not a candidate, +inf: forced) ->
+    NBp <= 2048; R % rows == 0; -inf: not a candidate, +inf: forced) ->
     [R, k] int32 ids, ascending, ties to the lower id, -1 padded (== lax.top_k + sort).
 
-    One CTA (one warpgroup) holds RT = rows_per_cta(NBp) whole rows in registers, 128 scores
-    per thread at most (NBp = 2048: 8 rows; 320: 32 rows; 64: 256 rows), so the grid has R / RT CTAs and rows are
-    not padded to 2048. Value bisection, id bisection for ties, masked-min compaction; every
+    One CTA (one warpgroup) holds RT = rows (default `rows_per_cta(NBp, R)`) whole rows in
+    registers, 128 scores per thread at most, so the grid has R / RT CTAs and rows are not padded
+    to 2048. Value bisection, id bisection for ties, masked-min compaction; every
     step works on all RT rows at once and each reduction is row-wise inside one warp
     (see `_rows_layout`). Per row: 32 + ceil(log2 NBp) + 1 + k row reductions, so the kernel is
     instruction bound; it reads NBp*4 and writes k*4 bytes a row.
     """
     R, nbp = scores.shape
-    rt = rows_per_cta(nbp)
     if nbp % 64 or nbp > MAX_BLOCKS:
         raise ValueError(f"rows of {nbp} scores: need a multiple of 64, at most {MAX_BLOCKS}")
+    rt = rows_per_cta(nbp, R) if rows is None else rows
+    if rt not in (8, 16, 32, 64, 128, 256) or rt * nbp > 16384:
+        raise ValueError(f"rows per CTA {rt}: need a power of two in 8..256 with rows x {nbp} scores <= 16384")
     if R % rt:
-        raise ValueError(f"{R} rows: need a multiple of {rt} (rows_per_cta)")
+        raise ValueError(f"{R} rows: need a multiple of {rt} rows per CTA")
     lay = _rows_layout(rt, nbp)
     n_id_steps = max(1, math.ceil(math.log2(nbp + 1)))
 
@@ -220,10 +228,10 @@ def select_topk(scores, k, *, interpret=None):
     if nb > MAX_BLOCKS:
         raise ValueError(f"{nb} blocks exceed the kernel's row of {MAX_BLOCKS} (context > 128K)")
     nbp = -(-max(nb, k) // 64) * 64     # >= k keeps the bisection's invariant simple
-    rt = rows_per_cta(nbp)
+    rt = rows_per_cta(nbp, R)
     rp = -(-R // rt) * rt
     rows = jnp.pad(scores, ((0, rp - R), (0, nbp - nb)), constant_values=-jnp.inf)
-    return topk_select_rows(rows, k, interpret=interpret)[:R]
+    return topk_select_rows(rows, k, rows=rt, interpret=interpret)[:R]
 
 
 def topk_reference(scores, k):

@@ -18,10 +18,11 @@ ARMS = {  # name -> (copy JSON, selection JSON)
     "sel8k": ("train/results/smollm2-sparse-select-8k/eval/baselines_sn_copy.json",
               "train/results/smollm2-sparse-select-8k/eval/baselines_sn_selection.json"),
     **{a: (f"{HERE}/{a}/eval/baselines_{a}_copy.json", f"{HERE}/{a}/eval/baselines_{a}_selection.json")
-       for a in ("sel4k", "ctl4k", "ctl8k")},
+       for a in ("sel4k", "ctl4k", "ctl8k", "l18")},
 }
 # (arm, its control, what the difference isolates)
-PAIRS = [("sel4k", "ctl4k", "the term, 4K windows"), ("sel8k", "ctl8k", "the term, 8K windows"),
+PAIRS = [("sel4k", "ctl4k", "the term, 4K windows"),
+         ("l18", "ctl4k", "the term on layer 18 alone (weight 0.5), 4K windows"), ("sel8k", "ctl8k", "the term, 8K windows"),
          ("ctl4k", "shipped", "250 more steps without the term, 4K windows"),
          ("ctl8k", "shipped", "250 more steps without the term, 8K windows")]
 

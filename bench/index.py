@@ -125,6 +125,14 @@ FILES = {
                                      "steady_repeat2.json, run right after, how far the SparDA / Dense+ decode ratio "
                                      "moves between runs",
     "realmodel/steady_repeat2.json": "as steady_repeat1.json, the run after it",
+    "realmodel/prefill_named.json": "4K batch 1 with --profile-prefill once the Mosaic kernels carry their names: "
+                                    "each row's prefill_profile says which kernel a warm prefill's time is in "
+                                    "(SparDA: the top-k 5.0 of 20 ms, before its rows per CTA followed the row count)",
+    "select/select_smollm2_4k8k.json": "the four selectors at SmolLM2's shapes (3 KV heads, head dim 64), 4K and 8K, "
+                                       "batch 1, prefill",
+    "select/topk_rows_sweep.json": "the Mosaic top-k's rows per CTA at SmolLM2's prefill shapes beside XLA's "
+                                   "top-k + sort: why `rows_per_cta` follows the row count (MIN_CTAS)",
+    "select/topk_rows_sweep.py": "the script of topk_rows_sweep.json",
     "realmodel/program_store_cpu.json": "on the CPU (2 cores, float32, 1K prompt): `sparda generate` cold / warm with "
                                         "the program store and without it (--first-token-without-store); the warm "
                                         "first calls' trace + lower is what the store removes",
@@ -319,7 +327,8 @@ def _folders_section() -> list[str]:
                 commit, device, date = _provenance(_load(rel))
                 lines.append(f"| `{rel}` | {FILES.get(rel, '')} | {commit} | {device} | {date} |")
             elif not rel.endswith(".png"):
-                lines.append(f"| `{rel}` | {'XLA command-buffer log' if '/xla_logs/' in rel else ''} | - | - | - |")
+                what = 'XLA command-buffer log' if '/xla_logs/' in rel else FILES.get(rel, '')
+                lines.append(f"| `{rel}` | {what} | - | - | - |")
         lines.append("")
     return lines
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from dataclasses import dataclass
 import importlib.util
 import os
@@ -53,12 +55,15 @@ def smollm2_gguf_path() -> Path:
 
 @dataclass
 class Pretrained:
-    """A loaded model: config, parameters (a pytree of jax arrays) and tokenizer."""
+    """A loaded model: config, parameters (a pytree of jax arrays) and tokenizer. adapter: the
+    LoRA adapter merged into params, as "FILE (sha256 HEX)" (None: none), so a run's record can
+    say which weights it trained on."""
 
     config: ModelConfig
     params: Any
     tokenizer: Tokenizer | None
     dtype: Any = jnp.float32
+    adapter: str | None = None
 
     def logits(self, token_ids) -> jax.Array:
         """int32 [B, T] -> float32 [B, T, vocab], dense causal attention from position 0.
@@ -152,8 +157,10 @@ def _merged(model: Pretrained, path: str | Path, name: str) -> Pretrained:
     from .io.adapter_file import load_adapter, merge_adapter
 
     adapter, lora = load_adapter(path, model.config)
+    path = Path(path)
+    record = f"{path.name} (sha256 {hashlib.sha256(path.read_bytes()).hexdigest()})"
     return Pretrained(model.config.replace(name=name), merge_adapter(model.params, adapter, lora), model.tokenizer,
-                      dtype=model.dtype)
+                      dtype=model.dtype, adapter=record)
 
 
 def init_model(config: ModelConfig | str, key: jax.Array, *, param_dtype=jnp.float32) -> Any:

@@ -278,6 +278,8 @@ def test_adapter_argument_merges_a_given_file_into_a_base_or_a_preset(tmp_path, 
     """load_pretrained(..., adapter=FILE) merges that file (the preset's own adapter is not read:
     here there is none), keeps the model's name, and refuses a missing file before loading and a
     file trained on another base model; the CLI's --adapter reaches it."""
+    import hashlib
+
     from sparda_jax import api, cli
     from test_hf_checkpoints import _config, _weights, _write
 
@@ -298,6 +300,8 @@ def test_adapter_argument_merges_a_given_file_into_a_base_or_a_preset(tmp_path, 
         m = api.load_pretrained(name, adapter=path)
         assert m.config.name == expect
         np.testing.assert_array_equal(m.params["layers"]["q_proj"]["kernel"], want)
+        assert m.adapter == f"adapter.safetensors (sha256 {hashlib.sha256(path.read_bytes()).hexdigest()})"
+    assert base.adapter is None
     for name in (tmp_path / "base", "small-sparse"):
         with pytest.raises(FileNotFoundError, match="adapter file not found"):
             api.load_pretrained(name, adapter=tmp_path / "nope.safetensors")

@@ -206,6 +206,10 @@ def test_resume_with_other_settings_is_refused_unless_overridden(tmp_path, tiny_
     # lengthening the run is not a change of settings; the record keeps the earlier override
     train(model, TrainConfig(**{**other.__dict__, "steps": 3}), tmp_path, **kw)
     assert json.loads((tmp_path / "config.json").read_text())["overrides"] == rec["overrides"]
+    # the backbone's adapter is a setting too: a resume on other merged weights is refused
+    adapted = Pretrained(TINY, tiny_params, ByteTokenizer(), adapter="a.safetensors (sha256 01)")
+    with pytest.raises(ValueError, match=r"adapter: None -> 'a.safetensors \(sha256 01\)'"):
+        train(adapted, TrainConfig(**{**other.__dict__, "steps": 4}), tmp_path, **kw)
 
 
 def test_run_started_from_a_forecast_file(tmp_path, tiny_params):

@@ -360,7 +360,8 @@ def finetune(model: Pretrained, fc: FinetuneConfig, out_dir: str | Path, *, data
     ckpt = Checkpointer(out / "checkpoints", save_every=save_every, keep=keep)
     # checked before any work on the device: a refused resume costs nothing
     record = run_record(out / "config.json", {
-        "model": c.name, "train": asdict(fc), "sparse": asdict(sp), "mix": asdict(mix), "data": data.record}
+        "model": c.name, "train": asdict(fc), "sparse": asdict(sp), "mix": asdict(mix), "data": data.record,
+        "adapter": model.adapter}
         | ({"init": init_record} if init is not None else {}), ckpt.latest_step() or 0, override=override)
     dtype = jnp.dtype(fc.dtype)
     start = init if init is not None else init_adapter(c, fc.lora, jax.random.key(fc.seed))

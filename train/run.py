@@ -249,7 +249,7 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     eval_every: the held-out recall every this many steps and at the first and last step; 0:
     never. mix: the share of training windows given long-range copies (`train.augment`).
     init_from: a Forecast file to start from instead of a random one (a fresh optimizer; its
-    sha256 is part of the run's record).
+    sha256 is part of the run's record, as the model's merged adapter is: `Pretrained.adapter`).
     A resumed run must have the settings its config.json records (the step count aside: a run
     may be lengthened), else ValueError; override=True continues with the new settings and
     records the change and its step in config.json's "overrides"."""
@@ -276,7 +276,8 @@ def train(model: Pretrained, tc: TrainConfig, out_dir: str | Path, *, data_paths
     # the record is checked before any work on the device: a refused resume costs nothing
     record = run_record(out / "config.json", {
         "model": c.name, "train": asdict(tc), "forecast": asdict(c.forecast), "sparse": asdict(c.sparse),
-        "mix": asdict(mix), "data": data.record} | ({"init": init_record} if init is not None else {}),
+        "mix": asdict(mix), "data": data.record, "adapter": model.adapter}
+        | ({"init": init_record} if init is not None else {}),
         ckpt.latest_step() or 0, override=override)
     dtype = jnp.dtype(tc.dtype)
     start_forecast = init if init is not None else init_forecast(c, jax.random.key(tc.seed))

@@ -11,6 +11,7 @@ reach at this budget. It reads every key for every query: an analysis tool, not 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -55,14 +56,16 @@ def attention_mass_topk(q, k, q_positions, sparse: SparseConfig, *, n_blocks: in
     return jnp.moveaxis(ids, 0, 2).reshape(b, kh, n * c, -1)[:, :, :t]
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype", "oracle_layers"))
+@functools.partial(jax.jit, static_argnames=("config", "dtype", "oracle_layers", "layer_topk"))
 def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, logits_at=None,
-                   oracle_layers: tuple[int, ...] | None = None):
+                   oracle_layers: tuple[int, ...] | None = None, layer_topk: tuple[tuple[int, int], ...] = ()):
     """tokens int [B, T] -> (float32 logits [B, T, vocab], ids [L, B, K, T, topk]): the backbone
     with every layer attending to its `attention_mass_topk` blocks (the sparse mode's budget).
     logits_at int [B, n]: logits at those positions only ([B, n, vocab]), as `forward`'s.
     oracle_layers: only these layers take the oracle's blocks, the others InfLLM-V2's as the
-    sparse mode chooses them (None: every layer), to find the layers whose choice costs most."""
+    sparse mode chooses them (None: every layer), to find the layers whose choice costs most.
+    layer_topk ((layer, topk), ...): those InfLLM-V2 layers choose `topk` blocks instead of the
+    config's (ids then padded with -1 to the largest budget), to price a larger budget there."""
     c = config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -75,6 +78,12 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
         raise NotImplementedError("oracle_layers: InfLLM-V2's choice here has no NOSA cis stage; use a model without cis")
     if oracle_layers is not None and not all(0 <= i < c.num_layers for i in oracle_layers):
         raise ValueError(f"oracle_layers {oracle_layers} name layers outside 0..{c.num_layers - 1}")
+    budgets = dict(layer_topk)
+    if not all(0 <= i < c.num_layers and k >= c.sparse.forced_blocks for i, k in budgets.items()):
+        raise ValueError(f"layer_topk {layer_topk}: layers in 0..{c.num_layers - 1}, budgets of at least the "
+                         f"{c.sparse.forced_blocks} forced blocks")
+    if budgets and (oracle_layers is None or set(budgets) & set(oracle_layers)):
+        raise ValueError(f"layer_topk {layer_topk}: its layers must choose with InfLLM-V2 (not in oracle_layers)")
     chosen = []
     for i, lin in enumerate(layer_inputs(params, None, None, unroll=True)):
         p = project(plan, ctx, lin, x)
@@ -82,10 +91,14 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
             ids = attention_mass_topk(p.q, p.k, positions, c.sparse, n_blocks=n_blocks)
         else:
             kc = compress_keys(p.k, c.sparse.kernel_size, c.sparse.kernel_stride)
-            ids = oracle_blocks(plan, ctx, p.q, KeySide(kc=kc))
+            layer_plan = plan if i not in budgets else dataclasses.replace(
+                plan, config=c.replace(sparse=dataclasses.replace(c.sparse, topk=budgets[i])))
+            ids = oracle_blocks(layer_plan, ctx, p.q, KeySide(kc=kc))
         attn = sparse_attention(p.q, p.k, p.v, ids, positions, block_size=c.sparse.block_size)
         x, _ = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
         chosen.append(ids)
     if logits_at is not None:
         x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
-    return unembed(params, x, c), jnp.stack(chosen)
+    width = max(ids.shape[-1] for ids in chosen)
+    pad = lambda ids: jnp.pad(ids, ((0, 0),) * 3 + ((0, width - ids.shape[-1]),), constant_values=-1)
+    return unembed(params, x, c), jnp.stack([pad(ids) for ids in chosen])

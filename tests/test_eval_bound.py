@@ -97,3 +97,29 @@ def test_oracle_in_no_layer_is_the_sparse_mode_and_in_some_layers_lies_between()
     np.testing.assert_array_equal(ids1[0], ids[0])  # layer 0 unchanged: same input, same choice
     with pytest.raises(ValueError, match="outside 0..2"):
         oracle_forward(params, tok, TINY, oracle_layers=(3,))
+
+
+def test_a_larger_budget_in_some_layers_keeps_their_choice_and_at_every_block_is_dense():
+    """layer_topk: InfLLM-V2's choice with another budget in those layers. Every layer at the
+    block count attends to every visible block (the dense mode's logits); one layer at a larger
+    budget keeps the blocks of the smaller one (same input: the layers before are unchanged)
+    and pads the others' rows with -1. A budget under the forced blocks, or a layer also in
+    oracle_layers, is refused."""
+    params = init_model(TINY, jax.random.key(0))
+    tok = jnp.asarray(np.random.default_rng(3).integers(0, TINY.vocab_size, (2, 192)), jnp.int32)
+    n_blocks = 192 // TINY.sparse.block_size
+    every, _ = oracle_forward(params, tok, TINY, oracle_layers=(), layer_topk=tuple((i, n_blocks) for i in range(3)))
+    np.testing.assert_allclose(every, forward(params, tok, TINY, mode="dense"), rtol=2e-5, atol=2e-5)
+    _, ids = oracle_forward(params, tok, TINY, oracle_layers=())
+    _, wide = oracle_forward(params, tok, TINY, oracle_layers=(), layer_topk=((1, 8),))
+    k = TINY.sparse.topk
+    assert wide.shape[-1] == 8
+    np.testing.assert_array_equal(wide[0, ..., :k], ids[0])
+    assert bool(jnp.all(wide[0, ..., k:] == -1))
+    small, big = np.asarray(ids[1]), np.asarray(wide[1])
+    for row_s, row_b in zip(small.reshape(-1, k), big.reshape(-1, 8)):
+        assert set(row_s[row_s >= 0]) <= set(row_b[row_b >= 0])
+    with pytest.raises(ValueError, match="forced blocks"):
+        oracle_forward(params, tok, TINY, oracle_layers=(), layer_topk=((1, 1),))
+    with pytest.raises(ValueError, match="not in oracle_layers"):
+        oracle_forward(params, tok, TINY, oracle_layers=(1,), layer_topk=((1, 8),))

@@ -5,7 +5,7 @@ sparse mode itself), on the held-out copy sequences of `sparda eval --suite copy
 The shipped adapter (or --adapter FILE), float32. Run from the repository root:
 
     python eval/results/sparse_native/layer_groups.py CORPUS_DIR LENGTH SAMPLES OUT.json SPLIT... \
-        [--layers 15-19] [--group-size 1] [--adapter FILE]
+        [--layers 15-19] [--group-size 1] [--adapter FILE] [--no-groups] [--budget 18=48 ...]
 """
 
 import argparse
@@ -25,31 +25,36 @@ from sparda_jax.eval.heldout import corpus_texts
 
 
 def main(corpus: str, length: int, samples: int, out: str, splits: list[str], *, layers: tuple[int, ...] | None = None,
-         group_size: int = 5, adapter: str | None = None) -> None:
-    """Groups of group_size consecutive layers among `layers` (default: all of them)."""
+         group_size: int = 5, adapter: str | None = None, budgets: tuple[tuple[int, int], ...] = ()) -> None:
+    """Groups of group_size consecutive layers among `layers` (default: all of them; () none);
+    then one arm per (layer, topk) of `budgets`: InfLLM-V2 everywhere, that layer with topk blocks."""
     m = api.load_pretrained("smollm2-135m-sparse", adapter=adapter)
     c, sp = m.config, m.config.sparse
     layers = tuple(range(c.num_layers)) if layers is None else layers
     groups = [layers[i:i + group_size] for i in range(0, len(layers), group_size)]
     name = lambda g: f"layer {g[0]}" if len(g) == 1 else f"layers {g[0]}-{g[-1]}"
-    arms = {"none (sparse mode)": (), **{name(g): g for g in groups}, "all": None}
+    arms = {"none (sparse mode)": ((), ()), **{name(g): (g, ()) for g in groups}, "all": (None, ()),
+            **{f"layer {l} at topk {k}": ((), ((l, k),)) for l, k in budgets}}
     seqs = [copy_sequence(text.docs, length, i, block_size=sp.block_size, init_blocks=sp.init_blocks,
                           local_blocks=sp.local_blocks) for text in corpus_texts(corpus, splits, vocab_size=c.vocab_size)
             for i in range(samples)]
     t0, rows = time.time(), []
-    for name, layers in arms.items():
+    for name, (layers, layer_topk) in arms.items():
         nll = []
         for s in seqs:
             at = jnp.arange(s.repeat - 1, length - 1, dtype=jnp.int32)[None]
             logits, _ = oracle_forward(m.params, jnp.asarray(s.tokens[None]), c, dtype=m.dtype, logits_at=at,
-                                       oracle_layers=layers)
+                                       oracle_layers=layers, layer_topk=layer_topk)
             lp = jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1)
             target = jnp.asarray(s.tokens[s.repeat:])
             nll.append(-float(jnp.mean(jnp.take_along_axis(lp, target[:, None], axis=-1))))
-        rows.append({"oracle_layers": name, "copy_nll": float(np.mean(nll)), "copy_nll_per_sample": nll})
+        rows.append({"arm": name, "oracle_layers": "all" if layers is None else list(layers),
+                     "layer_topk": [list(b) for b in layer_topk], "copy_nll": float(np.mean(nll)),
+                     "copy_nll_per_sample": nll})
         print(f"{name:20s} {rows[-1]['copy_nll']:.4f}  {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
-    result = {"what": f"copy NLL of smollm2-135m-sparse, the oracle's blocks in some layers and InfLLM-V2's in the "
-                      f"others, {length} tokens, {samples} sequences per split of {', '.join(splits)}",
+    result = {"what": f"copy NLL of smollm2-135m-sparse, the oracle's blocks in some layers (or a larger budget) "
+                      f"and InfLLM-V2's in the others, {length} tokens, {samples} sequences per split of "
+                      f"{', '.join(splits)}",
               "rows": rows, "length": length, "samples": samples, "splits": splits, "budget": vars(sp),
               "adapter": adapter or "shipped",
               "command": "python " + " ".join(sys.argv), "environment": environment(),
@@ -70,5 +75,10 @@ if __name__ == "__main__":
     ap.add_argument("--layers", type=_layer_list, help="the layers grouped (default: all)")
     ap.add_argument("--group-size", type=int, default=5)
     ap.add_argument("--adapter", help="an adapter file in place of the shipped one")
+    ap.add_argument("--no-groups", action="store_true", help="no oracle groups (the sparse mode, all, budgets)")
+    ap.add_argument("--budget", action="append", default=[], metavar="LAYER=TOPK",
+                    help="an arm with InfLLM-V2's choice of TOPK blocks in LAYER (repeatable)")
     a = ap.parse_args()
-    main(a.corpus, a.length, a.samples, a.out, a.splits, layers=a.layers, group_size=a.group_size, adapter=a.adapter)
+    budgets = tuple(tuple(int(x) for x in b.split("=")) for b in a.budget)
+    main(a.corpus, a.length, a.samples, a.out, a.splits, layers=() if a.no_groups else a.layers,
+         group_size=a.group_size, adapter=a.adapter, budgets=budgets)

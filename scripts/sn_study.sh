@@ -13,7 +13,8 @@
 # with ADAPTER=that adapter (no training) and FC_RUN's Forecast started again.
 #
 # Chain: the adapter (ADAPTER=FILE: that file instead of training; FT_STEPS, FT_SEQ, FT_BATCH, FT_COPY,
-# FT_SELECT (--select-weight), FT_SELECT_LAYERS (--select-layers, e.g. 15-19), FT_LR (--lr, default 5e-4), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
+# FT_SELECT (--select-weight), FT_SELECT_LAYERS (--select-layers, e.g. 15-19), FT_LR (--lr, default
+# 5e-4), FT_INIT (--init-adapter, e.g. shipped)) -> in parallel: the model's
 # dense / sparse baselines (copy + selection suites, every split, 4K and 8K) and its Forecast
 # (`forecast_study.sh start $FC_RUN SN_STEPS`, FC_RUN default sn_forecast) -> the Forecast's
 # evaluation and `sparda demo` at 4K and 8K with Dense+, Sparse and SparDA. SN_STEPS=0: the

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import hashlib
-
-from dataclasses import dataclass
 import importlib.util
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 

@@ -464,9 +464,9 @@ def _cmd_finetune(args) -> int:
     lora = LoraConfig(rank=args.rank, alpha=float(args.alpha if args.alpha is not None else 2 * args.rank))
     fc = FinetuneConfig(lora=lora, objective=args.objective, dense_weight=args.dense_weight,
                         copy_weight=args.copy_weight, select_weight=args.select_weight,
-                        select_rows=args.select_rows, select_layers=args.select_layers, seq_len=args.seq_len, batch=args.batch,
-                        micro_batch=args.micro_batch, steps=args.steps, lr=args.lr, dtype=args.train_dtype,
-                        seed=args.seed)
+                        select_rows=args.select_rows, select_layers=args.select_layers, seq_len=args.seq_len,
+                        batch=args.batch, micro_batch=args.micro_batch, steps=args.steps, lr=args.lr,
+                        dtype=args.train_dtype, seed=args.seed)
     mix = RetrievalMix(repeat_share=args.repeat_share, scatter_share=args.scatter_share)
     model = _load(args)
     summary = finetune(model, fc, args.out, data_paths=args.data, data_devices=args.data_devices,

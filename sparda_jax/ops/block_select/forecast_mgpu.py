@@ -7,9 +7,10 @@ top-k without sort. The reference is `reference.select_blocks_forecast_reference
    so the pool is an elementwise max over P wgmma outputs. Invisible chunks are -inf; the
    candidate / forced rules of `reference.finalize_topk` are applied in the kernel.
 2. `select_topk` (`topk_select_rows`): many rows per CTA (8 at 2048 blocks, more for shorter
-   rows, fewer where a short prompt has few rows). Scores map to monotone int32 keys; a 32-step bisection finds the k-th key, a bisection
-   over ids breaks ties towards lower ids (lax.top_k's order), and k masked-min reductions emit
-   the ids in ascending order, -1 padded; every reduction stays inside one warp.
+   rows, fewer where a short prompt has few rows). Scores map to monotone int32 keys; a 32-step
+   bisection finds the k-th key, a bisection over ids breaks ties towards lower ids (lax.top_k's
+   order), and k masked-min reductions emit the ids in ascending order, -1 padded; every
+   reduction stays inside one warp.
 
 `forecast_select` chains them with the layout of the reference selector.
 """

@@ -5,7 +5,7 @@ sparse mode itself), on the held-out copy sequences of `sparda eval --suite copy
 The shipped adapter (or --adapter FILE), float32. Run from the repository root:
 
     python eval/results/sparse_native/layer_groups.py CORPUS_DIR LENGTH SAMPLES OUT.json SPLIT... \
-        [--layers 15-19] [--group-size 1] [--adapter FILE] [--no-groups] [--budget 18=48 ...]
+        [--layers 15-19] [--group-size 1] [--adapter FILE] [--no-groups] [--no-all] [--budget 18=48 ...]
 """
 
 import argparse
@@ -25,7 +25,8 @@ from sparda_jax.eval.heldout import corpus_texts
 
 
 def main(corpus: str, length: int, samples: int, out: str, splits: list[str], *, layers: tuple[int, ...] | None = None,
-         group_size: int = 5, adapter: str | None = None, budgets: tuple[tuple[int, int], ...] = ()) -> None:
+         group_size: int = 5, adapter: str | None = None, budgets: tuple[tuple[int, int], ...] = (),
+         with_all: bool = True) -> None:
     """Groups of group_size consecutive layers among `layers` (default: all of them; () none);
     then one arm per (layer, topk) of `budgets`: InfLLM-V2 everywhere, that layer with topk blocks."""
     m = api.load_pretrained("smollm2-135m-sparse", adapter=adapter)
@@ -33,7 +34,8 @@ def main(corpus: str, length: int, samples: int, out: str, splits: list[str], *,
     layers = tuple(range(c.num_layers)) if layers is None else layers
     groups = [layers[i:i + group_size] for i in range(0, len(layers), group_size)]
     name = lambda g: f"layer {g[0]}" if len(g) == 1 else f"layers {g[0]}-{g[-1]}"
-    arms = {"none (sparse mode)": ((), ()), **{name(g): (g, ()) for g in groups}, "all": (None, ()),
+    arms = {"none (sparse mode)": ((), ()), **{name(g): (g, ()) for g in groups},
+            **({"all": (None, ())} if with_all else {}),
             **{f"layer {l} at topk {k}": ((), ((l, k),)) for l, k in budgets}}
     seqs = [copy_sequence(text.docs, length, i, block_size=sp.block_size, init_blocks=sp.init_blocks,
                           local_blocks=sp.local_blocks) for text in corpus_texts(corpus, splits, vocab_size=c.vocab_size)
@@ -76,9 +78,10 @@ if __name__ == "__main__":
     ap.add_argument("--group-size", type=int, default=5)
     ap.add_argument("--adapter", help="an adapter file in place of the shipped one")
     ap.add_argument("--no-groups", action="store_true", help="no oracle groups (the sparse mode, all, budgets)")
+    ap.add_argument("--no-all", action="store_true", help="no arm with the oracle in every layer")
     ap.add_argument("--budget", action="append", default=[], metavar="LAYER=TOPK",
                     help="an arm with InfLLM-V2's choice of TOPK blocks in LAYER (repeatable)")
     a = ap.parse_args()
     budgets = tuple(tuple(int(x) for x in b.split("=")) for b in a.budget)
     main(a.corpus, a.length, a.samples, a.out, a.splits, layers=() if a.no_groups else a.layers,
-         group_size=a.group_size, adapter=a.adapter, budgets=budgets)
+         group_size=a.group_size, adapter=a.adapter, budgets=budgets, with_all=not a.no_all)

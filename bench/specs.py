@@ -112,7 +112,7 @@ SPECS: tuple[Spec, ...] = (
          "SmolLM2 through generate, 4K/8K x batch 1/8, every system: steady decode and prefill, the first call "
          "apart; SparDA / Dense+ steady decode at 4K batch 1; `sparda generate` cold and warm in fresh processes",
          needs_model=True),
-    Spec("realmodel-prefill", "realmodel", ("bench", "realmodel", "--systems", "dense_resident", "sparse", "sparda",
+    Spec("prefill-named", "realmodel", ("bench", "realmodel", "--systems", "dense_resident", "sparse", "sparda",
                                             "--contexts", "4096", "8192", "--batches", "1", "--profile-prefill",
                                             "--budget-s", "200"), 420,
          "SmolLM2 at 4K and 8K batch 1, Dense+, Sparse and SparDA, each warm prefill traced: which named kernel "

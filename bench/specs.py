@@ -112,11 +112,6 @@ SPECS: tuple[Spec, ...] = (
          "SmolLM2 through generate, 4K/8K x batch 1/8, every system: steady decode and prefill, the first call "
          "apart; SparDA / Dense+ steady decode at 4K batch 1; `sparda generate` cold and warm in fresh processes",
          needs_model=True),
-    Spec("prefill-named", "realmodel", ("bench", "realmodel", "--systems", "dense_resident", "sparse", "sparda",
-                                            "--contexts", "4096", "8192", "--batches", "1", "--profile-prefill",
-                                            "--budget-s", "200"), 420,
-         "SmolLM2 at 4K and 8K batch 1, Dense+, Sparse and SparDA, each warm prefill traced: which named kernel "
-         "its time is in, and the prefill ratios of issue 28", needs_model=True),
     Spec("eval-tasks-2k", "eval", (*_EVAL, "--lengths", "2048"), 580,
          "SmolLM2 accuracy table, every task and mode, at 2K", env=_HIGHEST, needs_model=True),
     Spec("eval-tasks-4k", "eval", (*_EVAL, "--lengths", "4096"), 580,

@@ -135,17 +135,17 @@ def _rows_layout(rt, nbp):
                               vector_dim=-1)
 
 
-MIN_CTAS = 512  # ~4 per SM of an H100/H200: fewer left the top-k latency-bound (topk_rows_sweep.json)
+CTA_SCORES = 16384  # scores one CTA (one warpgroup) holds in registers: 128 per thread
+ROWS_PER_CTA = (8, 16, 32, 64, 128, 256)  # the row counts the lowering accepts
+MIN_CTAS = 512  # ~4 per SM of an H100/H200: fewer left the top-k latency-bound (docs/decisions.md)
 
 
 def rows_per_cta(nbp, n_rows=None):
-    """Rows per CTA of `topk_select_rows`: the largest power of two (8..256) with at most 128
-    scores per thread (16384 per warpgroup); the lowering rejects other row counts (48: "Tiling
-    does not apply"; 4: "not canonical"). Given n_rows, halved (down to 8) while the grid would
-    have fewer than MIN_CTAS CTAs: a short prompt's few rows then spread over every SM."""
-    rt = 8
-    while rt < 256 and 2 * rt * nbp <= 16384:
-        rt *= 2
+    """Rows per CTA of `topk_select_rows`: the largest of ROWS_PER_CTA with rows x nbp <=
+    CTA_SCORES; the lowering rejects other row counts (48: "Tiling does not apply"; 4: "not
+    canonical"). Given n_rows, halved (down to 8) while the grid would have fewer than MIN_CTAS
+    CTAs: a short prompt's few rows then spread over every SM."""
+    rt = max(r for r in ROWS_PER_CTA if r == ROWS_PER_CTA[0] or r * nbp <= CTA_SCORES)
     while n_rows is not None and rt > 8 and n_rows < MIN_CTAS * rt:
         rt //= 2
     return rt
@@ -167,8 +167,8 @@ def topk_select_rows(scores, k, *, rows=None, interpret=None):
     if nbp % 64 or nbp > MAX_BLOCKS:
         raise ValueError(f"rows of {nbp} scores: need a multiple of 64, at most {MAX_BLOCKS}")
     rt = rows_per_cta(nbp, R) if rows is None else rows
-    if rt not in (8, 16, 32, 64, 128, 256) or rt * nbp > 16384:
-        raise ValueError(f"rows per CTA {rt}: need a power of two in 8..256 with rows x {nbp} scores <= 16384")
+    if rt not in ROWS_PER_CTA or rt * nbp > CTA_SCORES:
+        raise ValueError(f"rows per CTA {rt}: need one of {ROWS_PER_CTA} with rows x {nbp} scores <= {CTA_SCORES}")
     if R % rt:
         raise ValueError(f"{R} rows: need a multiple of {rt} rows per CTA")
     lay = _rows_layout(rt, nbp)

@@ -128,6 +128,9 @@ FILES = {
     "realmodel/prefill_named.json": "4K batch 1 with --profile-prefill once the Mosaic kernels carry their names: "
                                     "each row's prefill_profile says which kernel a warm prefill's time is in "
                                     "(SparDA: the top-k 5.0 of 20 ms, before its rows per CTA followed the row count)",
+    "realmodel/prefill_topk.json": "4K and 8K batch 1 with --profile-prefill after the top-k's rows per CTA "
+                                   "followed the row count (H100): the top-k 0.64 ms of a 4K prefill (5.0 before), "
+                                   "SparDA's prefill 1.63x / 1.37x Dense+'s at 4K / 8K",
     "select/select_smollm2_4k8k.json": "the four selectors at SmolLM2's shapes (3 KV heads, head dim 64), 4K and 8K, "
                                        "batch 1, prefill",
     "select/topk_rows_sweep.json": "the Mosaic top-k's rows per CTA at SmolLM2's prefill shapes beside XLA's "

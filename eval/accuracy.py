@@ -26,6 +26,7 @@ from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.infer.generate import PAD_MULTIPLE, SamplingConfig, generate
 from sparda_jax.modes import MODES, forward
 
+from .heldout import budget_record
 from .tasks import TASKS, make_sample
 
 __all__ = ["eval_tasks", "max_task_length", "paired_differences", "tasks_markdown", "plot_tasks"]
@@ -149,8 +150,7 @@ def eval_tasks(model: Pretrained, *, tasks=TASKS, lengths=(1024, 2048, 4096, 806
     bar.close()
     sp = model.config.sparse
     return {"model": model.config.name, "rows": rows, "samples_per_cell": samples,
-            "budget": {"block_size": sp.block_size, "init_blocks": sp.init_blocks, "local_blocks": sp.local_blocks,
-                       "topk": sp.topk},
+            "budget": budget_record(sp),
             "forecast_trained": extra["forecast_trained"],
             "text": "held-out quarter of the Python docs shipped with CPython (pydoc_data.topics)"}
 

@@ -36,7 +36,7 @@ from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import haystack_from_tokens
 
-from .heldout import HeldoutText, describe, python_docs_text
+from .heldout import HeldoutText, budget_record, describe, python_docs_text
 from .selection import mode_rows
 
 __all__ = ["CopySequence", "copy_sequence", "source_share", "eval_copy", "copy_markdown", "PASSAGE_TOKENS",
@@ -213,8 +213,7 @@ def eval_copy(model: Pretrained, *, lengths=(4096, 8192), samples: int = 8, mode
 def _result(c, rows, texts, samples) -> dict:
     sp = c.sparse
     return {"suite": "copy", "model": c.name,
-            "budget": {"block_size": sp.block_size, "init_blocks": sp.init_blocks, "local_blocks": sp.local_blocks,
-                       "topk": sp.topk, "kernel_size": sp.kernel_size, "kernel_stride": sp.kernel_stride},
+            "budget": budget_record(sp),
             "text": describe(texts), "splits": {t.split: t.info for t in texts}, "samples_per_cell": samples,
             "rows": rows}
 

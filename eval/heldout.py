@@ -112,3 +112,11 @@ def describe(texts: list[HeldoutText]) -> str:
     if len(texts) == 1 and texts[0].split == DEFAULT_SPLIT:
         return texts[0].description
     return "; ".join(f"{t.description} ({t.info['documents']} documents, {t.tokens} tokens)" for t in texts)
+
+
+def budget_record(sp) -> dict:
+    """What a result records of the selection budget (a `SparseConfig`): block size, forced and
+    total blocks, the compression, and the layers that attend densely."""
+    return {"block_size": sp.block_size, "init_blocks": sp.init_blocks, "local_blocks": sp.local_blocks,
+            "topk": sp.topk, "kernel_size": sp.kernel_size, "kernel_stride": sp.kernel_stride,
+            "dense_layers": list(sp.dense_layers)}

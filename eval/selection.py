@@ -28,7 +28,7 @@ from sparda_jax.metrics import attention_mass, recall_counts, tile_blowup
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import haystack_from_tokens
 
-from .heldout import HeldoutText, describe, python_docs_text
+from .heldout import HeldoutText, budget_record, describe, python_docs_text
 
 __all__ = ["eval_selection", "markdown_table", "mode_rows", "check_room"]
 
@@ -147,8 +147,7 @@ def _result(c, rows, ig, texts) -> dict:
     sp = c.sparse
     return {
         "model": c.name,
-        "budget": {"block_size": sp.block_size, "init_blocks": sp.init_blocks, "local_blocks": sp.local_blocks,
-                   "topk": sp.topk, "kernel_size": sp.kernel_size, "kernel_stride": sp.kernel_stride},
+        "budget": budget_record(sp),
         "text": describe(texts),
         "splits": {t.split: t.info for t in texts},
         "infinigen": None if ig is None else {"columns": ig.columns, "ratio": ig.columns / c.head_dim,

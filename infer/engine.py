@@ -1,11 +1,13 @@
 """The offload inference engine: KV of layers 1..L-1 in host memory, a device block cache.
 
 Where data lives (docs/algorithm.md, "The offload pipeline"):
-  host    full K/V of layers 1..L-1, paged in blocks: [L-1, B, K, nb, bs, Dh] (a block of one
-          KV head is one contiguous run), in the `pinned_host` memory kind where the backend has it
-  device  layer 0's decode state (contiguous K/V and compressed keys), and per offloaded layer its
-          compressed keys (InfiniGen: partial keys) and block cache: slots [B, K, n_slots, bs, Dh]
-          with their table [B, K, n_slots] (the block id each slot holds, -1 empty)
+  host    full K/V of the offloaded layers (1..L-1 but the config's `sparse.dense_layers`),
+          paged in blocks: [L_off, B, K, nb, bs, Dh] (a block of one KV head is one contiguous
+          run), in the `pinned_host` memory kind where the backend has it
+  device  the decode state (contiguous K/V and compressed keys) of layer 0 and of the dense
+          layers, and per offloaded layer its compressed keys (InfiniGen: partial keys) and block
+          cache: slots [B, K, n_slots, bs, Dh] with their table [B, K, n_slots] (the block id each
+          slot holds, -1 empty)
 
 Each layer is `sparda_jax.pipeline.layer_step`; layers 1..L-1 read through `OffloadKV`: select,
 keep the resident blocks, copy the missing ones from the host into free slots
@@ -51,11 +53,17 @@ from .generate import sample_next
 
 __all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
            "engine_decode_step", "engine_decode_steps", "engine_generate_steps", "selector_of", "memory_report",
-           "resolve"]
+           "resolve", "offloaded_layers"]
 
 OFFLOAD_SYSTEMS = ("sparse", "infinigen", "sparda_sync", "sparda")
 RESIDENT_SYSTEMS = {"dense_resident": "dense", "sparse_resident": "sparse"}
 SYSTEMS = tuple(RESIDENT_SYSTEMS) + OFFLOAD_SYSTEMS
+
+
+def offloaded_layers(config: ModelConfig) -> tuple[int, ...]:
+    """The layers whose KV lives in host memory: 1..L-1 but the dense ones. Their order is
+    the host pools' leading axis."""
+    return tuple(i for i in range(1, config.num_layers) if i not in config.sparse.dense_layers)
 
 
 def selector_of(system: str) -> str:
@@ -116,8 +124,9 @@ class OffloadLayer(struct.PyTreeNode):
 
 class OffloadState(struct.PyTreeNode):
     """l0: layer 0's `DecodeState` on the device (contiguous K/V, never offloaded);
-    host: payload -> pool [L-1, B, K, nb, bs, X] in host memory (X = Dh; 1 for NOSA's cis);
-    layers: one `OffloadLayer` per layer 1..L-1. Per-layer buffers, not stacked arrays: a step
+    host: payload -> pool [L_off, B, K, nb, bs, X] in host memory (X = Dh; 1 for NOSA's cis),
+    one row per `offloaded_layers` entry; layers: one per layer 1..L-1, an `OffloadLayer`, or a
+    dense layer's `DecodeState` on the device. Per-layer buffers, not stacked arrays: a step
     updates each in place, where a stack would be sliced and restacked (a copy) every step."""
 
     l0: DecodeState
@@ -127,6 +136,11 @@ class OffloadState(struct.PyTreeNode):
     @property
     def size(self) -> int:
         return self.l0.size
+
+    @property
+    def offloaded(self) -> tuple[OffloadLayer, ...]:
+        """The offloaded layers' states, in the host pools' row order."""
+        return tuple(ly for ly in self.layers if isinstance(ly, OffloadLayer))
 
 
 def _to_blocks(x, bs: int):
@@ -138,8 +152,8 @@ def _to_blocks(x, bs: int):
 
 def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineConfig, *, cache_size: int,
                    forecast=None, infinigen=None, dtype=jnp.float32):
-    """Prefill with all KV on the device, then move layers 1..L-1 to the host and set up the
-    block cache. Returns (last logits [B, V], state): for resident systems one
+    """Prefill with all KV on the device, then move the offloaded layers (`offloaded_layers`) to
+    the host and set up their block caches. Returns (last logits [B, V], state): for resident systems one
     `DecodeState` per layer (`layered_state`), for offload systems an `OffloadState`.
     `cache_size` is rounded up to whole blocks."""
     check_lead_forecast(config, engine.selector, "the engine")
@@ -157,35 +171,44 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     n_slots = config.sparse.topk if engine.n_slots is None else engine.n_slots
     if n_slots < config.sparse.topk:
         raise ConfigError(f"EngineConfig.n_slots: {n_slots} is below the block budget topk ({config.sparse.topk})")
-    # the empty block caches of layers 1..L-1, stacked, made outside the layout program and split
-    # inside it: a program's identical outputs (zeros made inside) may share one buffer on the GPU,
-    # and the CUDA copy writes each layer's cache in place; slices of an argument never do
-    ln, b, _, kh, _ = st.kv.k.shape
+    off = offloaded_layers(config)
+    if not off:
+        raise ValueError(f"every layer of {config.name} is dense (sparse.dense_layers): nothing to offload; "
+                         f"use a resident system")
+    # the empty block caches of the offloaded layers, stacked, made outside the layout program and
+    # split inside it: a program's identical outputs (zeros made inside) may share one buffer on
+    # the GPU, and the CUDA copy writes each layer's cache in place; slices of an argument never do
+    _, b, _, kh, _ = st.kv.k.shape
     payloads = {"k": (st.kv.k.shape[-1], st.kv.k.dtype), "v": (st.kv.v.shape[-1], st.kv.v.dtype)}
     if config.has_cis:
         payloads["cis"] = (1, st.cis.dtype)
-    empty = {n: jnp.zeros((ln - 1, b, kh, n_slots, bs, x), dt) for n, (x, dt) in payloads.items()}
-    l0, blocks, offloaded = _offload_layout(st, empty, jnp.full((ln - 1, b, kh, n_slots), -1, jnp.int32), bs=bs)
+    empty = {n: jnp.zeros((len(off), b, kh, n_slots, bs, x), dt) for n, (x, dt) in payloads.items()}
+    l0, blocks, offloaded = _offload_layout(st, empty, jnp.full((len(off), b, kh, n_slots), -1, jnp.int32), bs=bs,
+                                            offloaded=off)
     del empty  # its slices are the caches now
     host = {n: host_pool(a) for n, a in blocks.items()}
     return last, commit_to_params_device(OffloadState(l0, host, offloaded), params)
 
 
-@stored_jit(static_argnames=("bs",))
-def _offload_layout(st, empty: dict, tables, *, bs: int):
-    """The prefill's stacked state laid out for the engine, as one program: layer 0's state,
-    layers 1..L-1's payloads in blocks (for the host pools), and per layer 1..L-1 an
-    `OffloadLayer` of its slice of `empty` / `tables` and its compressed keys. One program, not an
-    op at a time: each eager slice would be a program of its own, traced and looked up in the
-    compilation cache in every process."""
+@stored_jit(static_argnames=("bs", "offloaded"))
+def _offload_layout(st, empty: dict, tables, *, bs: int, offloaded: tuple[int, ...]):
+    """The prefill's stacked state laid out for the engine, as one program: layer 0's state, the
+    offloaded layers' payloads in blocks (for the host pools), and per layer 1..L-1 an
+    `OffloadLayer` of its slice of `empty` / `tables` and its compressed keys, or a dense layer's
+    `DecodeState`. One program, not an op at a time: each eager slice would be a program of its
+    own, traced and looked up in the compilation cache in every process."""
     full = {"k": st.kv.k, "v": st.kv.v}
     if "cis" in empty:
         full["cis"] = st.cis[..., None]  # a trailing unit axis: every payload is [..., tokens, K, X]
-    blocks = {n: _to_blocks(a[1:], bs) for n, a in full.items()}
     layers = per_layer(st)
-    offloaded = tuple(OffloadLayer({n: e[i] for n, e in empty.items()}, tables[i], ly.ckeys, ly.ccis, ly.pk)
-                      for i, ly in enumerate(layers[1:]))
-    return layers[0], blocks, offloaded
+    rows = {layer: j for j, layer in enumerate(offloaded)}
+    # slices (a gather's constant indices would be a value made inside the program)
+    take = (lambda a: a[1:]) if offloaded == tuple(range(1, len(layers))) else (
+        lambda a: jnp.concatenate([a[i:i + 1] for i in offloaded]))
+    blocks = {n: _to_blocks(take(a), bs) for n, a in full.items()}
+    out = tuple(OffloadLayer({n: e[rows[i]] for n, e in empty.items()}, tables[rows[i]], ly.ckeys, ly.ccis, ly.pk)
+                if i in rows else ly for i, ly in enumerate(layers) if i > 0)
+    return layers[0], blocks, out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,23 +233,24 @@ class _Run:
 BLOCK_NDIM = 2
 
 
-def _copy_tasks(run: _Run, host: dict, layer, a, ids, n_slots: int):
-    """The task lists of one layer's copy: task (b, k, i) copies block ids[b, k, i] into slot
-    a.slots[b, k, i] when a.copy says so (-1: no task). The CUDA copy reads the whole pool in
-    place, so its sources index all layers; the reference slices the layer first."""
+def _copy_tasks(run: _Run, host: dict, row, a, ids, n_slots: int):
+    """The task lists of one layer's copy (`row`: its row of the host pools): task (b, k, i)
+    copies block ids[b, k, i] into slot a.slots[b, k, i] when a.copy says so (-1: no task). The
+    CUDA copy reads the whole pool in place, so its sources index all layers; the reference
+    slices the layer first."""
     b, kh, nb = host["k"].shape[1:4]
     bi = jnp.arange(b)[:, None, None]
     hi = jnp.arange(kh)[None, :, None]
     dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)
     if run.copy in FFI_IMPLEMENTATIONS:  # one pool of every layer: the offset is in the ids
-        src = jnp.where(a.copy, (((layer - 1) * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
+        src = jnp.where(a.copy, ((row * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
     else:
         src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
     return src.astype(jnp.int32), dst.astype(jnp.int32)
 
 
-def _gather_blocks(run: _Run, host: dict, layer, src, dst, cache_l: dict, *, start: bool) -> dict:
-    """Copy the tasks (src, dst) of layer `layer` (1-based) from the host pools into the layer's
+def _gather_blocks(run: _Run, host: dict, row, src, dst, cache_l: dict, *, start: bool) -> dict:
+    """Copy the tasks (src, dst) of the layer in pool row `row` from the host pools into the layer's
     cache slots, every payload by the same task list: synchronously in one call, or with start
     as one asynchronous copy per payload, each on its own side-stream lane with its share of
     the CTA quota (`_wait_blocks` completes them)."""
@@ -235,7 +259,7 @@ def _gather_blocks(run: _Run, host: dict, layer, src, dst, cache_l: dict, *, sta
     # the reference's layer keeps its leading dim (its blocks flatten in the same order): an
     # integer index squeezed a one-layer pool by a bitcast in host memory, which XLA's GPU
     # compiler refused ("Bitcast cannot have different memory spaces")
-    pools = [host[n] if run.copy in FFI_IMPLEMENTATIONS else jax.lax.dynamic_slice_in_dim(host[n], layer - 1, 1)
+    pools = [host[n] if run.copy in FFI_IMPLEMENTATIONS else jax.lax.dynamic_slice_in_dim(host[n], row, 1)
              for n in names]
     kw = dict(block_ndim=BLOCK_NDIM, implementation=run.copy)
     if start:
@@ -294,13 +318,13 @@ def _payloads(p) -> dict:
 
 
 class OffloadKV(struct.PyTreeNode):
-    """Layer `layer` >= 1 of the offload state as a KV source of `pipeline.layer_step`: its
-    `OffloadLayer` on the device and the host pools of every offloaded layer. active False
-    turns its copies into no tasks (a scan's prefetch past the last layer)."""
+    """An offloaded layer of the offload state as a KV source of `pipeline.layer_step`: its
+    `OffloadLayer` on the device, the host pools of every offloaded layer and its row there.
+    active False turns its copies into no tasks (a scan's prefetch past the last layer)."""
 
     state: OffloadLayer
     host: dict
-    layer: Any
+    row: Any
     active: Any = True
     run: _Run = struct.field(pytree_node=False, default=None)
 
@@ -336,9 +360,9 @@ class OffloadKV(struct.PyTreeNode):
             # its newest tokens exist only in its slot until the block completes
             table = jnp.where(table == (pos // run.plan.config.sparse.block_size)[:, None, None], table, -1)
         a = assign_slots(table, ids)
-        src, dst = _copy_tasks(run, self.host, self.layer, a, ids, table.shape[-1])
+        src, dst = _copy_tasks(run, self.host, self.row, a, ids, table.shape[-1])
         src = jnp.where(self.active, src, -1)
-        cache = _gather_blocks(run, self.host, self.layer, src, dst, st.cache, start=start)
+        cache = _gather_blocks(run, self.host, self.row, src, dst, st.cache, start=start)
         return Fetched(ids, a.slots, cache, a.table, jnp.where(self.active, a.n_copies, 0), src, dst)
 
     def prefetch(self, plan: Plan, ctx: Ctx, lin: LayerIn, h, q):
@@ -354,9 +378,12 @@ class OffloadKV(struct.PyTreeNode):
         return f, q
 
     def attend(self, plan: Plan, ctx: Ctx, q, ids, keys, p, pending: Fetched | None = None,
-               after: Fetched | None = None):
+               after: Fetched | None = None, dense=None):
         """Copy (or wait for the prefetched copy), write the new token into its slot, attend
-        through the slot table. Returns (attn, source, counters)."""
+        through the slot table. Returns (attn, source, counters). A dense layer is never
+        offloaded (its `DecodeState` stays on the device)."""
+        if dense is not None and dense is not False:
+            raise ValueError("a dense layer (sparse.dense_layers) cannot read through the block cache")
         pos = ctx.positions[:, 0]
         bs = plan.config.sparse.block_size
         if pending is None:
@@ -386,47 +413,55 @@ def _own_buffer(x: jax.Array) -> jax.Array:
 
 
 def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast, infinigen, *, run: _Run):
-    """One offload decode step: layer 0 from its `DecodeState`, layers 1..L-1 through
-    `OffloadKV` (sparda: each layer starts the next one's copy), then the write-back of the
-    blocks this step completed. Returns (logits [B, V], state, summed counters)."""
+    """One offload decode step: layer 0 and the dense layers from their `DecodeState`, the
+    others through `OffloadKV` (sparda: each layer starts the next offloaded one's copy), then
+    the write-back of the blocks this step completed. Returns (logits [B, V], state, counters
+    summed over the offloaded layers)."""
     plan = run.plan
     c = plan.config
     prefetch = run.engine.system == "sparda"
+    rows = {layer: j for j, layer in enumerate(offloaded_layers(c))}
     # with the CUDA copy (or its CPU twin) the layers run as a Python loop: a copy in flight must
     # not cross a loop carry (XLA may copy a carry, reading a buffer the side stream still
-    # writes), and the synchronous copies update each layer's buffers in place that way
-    unroll = run.copy in FFI_IMPLEMENTATIONS
+    # writes), and the synchronous copies update each layer's buffers in place that way; so do
+    # dense layers, whose sources differ from the others'
+    unroll = run.copy in FFI_IMPLEMENTATIONS or len(rows) < c.num_layers - 1
     pos = _own_buffer(positions)
     cos, sin = rope_tables(c, pos[:, None])
     ctx = Ctx(DecoderLayer(c, dtype=plan.dtype), cos, sin, pos[:, None], -(-state.size // c.sparse.block_size))
-    lins = layer_inputs(params, forecast, infinigen, unroll=True)
+    lins = layer_inputs(params, forecast, infinigen, unroll=True, dense_layers=c.sparse.dense_layers)
     n = c.num_layers
-    kv = lambda slot: OffloadKV(slot[0], state.host, slot[1], slot[2], run)  # slot: (OffloadLayer, layer, active)
+    kv = lambda slot: OffloadKV(slot[0], state.host, slot[1], slot[2], run)  # slot: (OffloadLayer, row, active)
+    # the source of layer i >= 1 (a slot, or a dense layer's DecodeState), and the copy it starts
+    src_of = lambda i: (state.layers[i - 1], rows[i], True) if i in rows else state.layers[i - 1]
+    next_of = lambda i: ((src_of(i + 1), lins[i + 1]) if prefetch and i + 1 in rows else None)
 
     # layer 0: on the device, contiguous; in sparda it starts layer 1's copy
     x = embed(params, tokens[:, None], c, plan.dtype)
-    first_copy = (kv((state.layers[0], 1, True)), lins[1]) if prefetch else None
-    x, l0, out0 = layer_step(plan, ctx, lins[0], x, None, state.l0, prefetch=first_copy)
+    first = next_of(0)
+    x, l0, out0 = layer_step(plan, ctx, lins[0], x, None, state.l0,
+                             prefetch=None if first is None else (kv(first[0]), first[1]))
 
     def body(carry, xs):
         x, h_prev, pending = carry
-        lin, slot, nxt = xs
-        x, me, out = layer_step(plan, ctx, lin, x, h_prev, kv(slot), pending=pending,
+        lin, src, nxt = xs
+        offload = isinstance(src, tuple)
+        x, me, out = layer_step(plan, ctx, lin, x, h_prev, kv(src) if offload else src, pending=pending,
                                 prefetch=None if nxt is None else (kv(nxt[0]), nxt[1]))
-        return (x, out.p.h, out.started), (me.state, out.info)
+        return (x, out.p.h, out.started), ((me.state if offload else me), out.info)
 
     carry = (x, out0.p.h, out0.started)
     if unroll:
-        xs = tuple((lins[i], (state.layers[i - 1], i, True),
-                    ((state.layers[i], i + 1, True), lins[i + 1]) if prefetch and i + 1 < n else None)
-                   for i in range(1, n))
+        xs = tuple((lins[i], src_of(i), next_of(i)) for i in range(1, n))
         (x, _, _), ys = run_layers(body, carry, xs, unroll=True)
-        layers, info = tuple(y[0] for y in ys), {k: jnp.stack([y[1][k] for y in ys]) for k in ys[0][1]}
-    else:  # the reference copy: one scan over layers 1..L-1; iteration l also gets layer l+1's slices
-        # (the last iteration a dummy whose copy has no tasks)
+        layers = tuple(y[0] for y in ys)
+        counted = [y[1] for y in ys if y[1]]  # the offloaded layers' counters (a dense layer has none)
+        info = {k: jnp.stack([d[k] for d in counted]) for k in counted[0]}
+    else:  # the reference copy: one scan over layers 1..L-1 (rows 0..L-2); iteration l also gets layer
+        # l+1's slices (the last iteration a dummy whose copy has no tasks)
         nxt = [min(i + 1, n - 1) for i in range(1, n)]
-        xs = (stacked(lins[1:]), (stacked(state.layers), jnp.arange(1, n), jnp.ones(n - 1, bool)),
-              ((stacked(tuple(state.layers[j - 1] for j in nxt)), jnp.asarray(nxt), jnp.arange(2, n + 1) < n),
+        xs = (stacked(lins[1:]), (stacked(state.layers), jnp.arange(n - 1), jnp.ones(n - 1, bool)),
+              ((stacked(tuple(state.layers[j - 1] for j in nxt)), jnp.asarray(nxt) - 1, jnp.arange(2, n + 1) < n),
                stacked(tuple(lins[j] for j in nxt))) if prefetch else None)
         (x, _, _), (layers, info) = run_layers(body, carry, xs, unroll=False)
         layers = per_layer(layers)
@@ -438,14 +473,15 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
 
 def _flush_completed(run: _Run, state: OffloadState, pos) -> OffloadState:
     """Blocks whose last token was written this step go from their slot to the host. Each
-    layer's slot of the written block is gathered into one small staging array ((L-1) x B x K
+    layer's slot of the written block is gathered into one small staging array (L_off x B x K
     blocks, every step: no branch), which one write-back moves into the pools; the CUDA copy
     writes just the completed blocks into the pinned pool in place, the reference moves the pool
     to the device and back."""
     bs = run.plan.config.sparse.block_size
     done = (pos % bs) == bs - 1  # [B]
     blk = pos // bs
-    slot = jnp.stack([jnp.argmax(ly.table == blk[:, None, None], axis=-1) for ly in state.layers])  # [L-1, B, K]
+    offloaded = state.offloaded
+    slot = jnp.stack([jnp.argmax(ly.table == blk[:, None, None], axis=-1) for ly in offloaded])  # [L_off, B, K]
     l1, b, kh = slot.shape
     nb = state.host["k"].shape[3]
     row = jnp.arange(l1 * b * kh).reshape(l1, b, kh)  # (layer, sequence, KV head)
@@ -453,7 +489,7 @@ def _flush_completed(run: _Run, state: OffloadState, pos) -> OffloadState:
     src = jnp.where(done[None, :, None], row, -1).reshape(-1).astype(jnp.int32)
     dst = (row * nb + blk[None, :, None]).reshape(-1).astype(jnp.int32)
     names = list(state.host)
-    staged = tuple(jnp.stack([ly.cache[n][bi, hi, slot[i]] for i, ly in enumerate(state.layers)])
+    staged = tuple(jnp.stack([ly.cache[n][bi, hi, slot[i]] for i, ly in enumerate(offloaded)])
                    .reshape(l1 * b * kh, *state.host[n].shape[4:]).astype(state.host[n].dtype) for n in names)
     pools = tuple(state.host[n] for n in names)
     out = scatter_blocks(staged, src, dst, pools, config=KVCopyConfig(num_ctas=run.num_ctas), block_ndim=BLOCK_NDIM,
@@ -535,7 +571,7 @@ def resolve(params, positions, state, config: ModelConfig, engine: EngineConfig,
     if num_ctas is None or (num_ctas == "auto" and copy != "cuda"):
         num_ctas = paper_num_ctas(batch)
     elif num_ctas == "auto":  # timed once per copy size on this GPU (cached)
-        c = state.layers[0].cache["k"]
+        c = state.offloaded[0].cache["k"]
         num_ctas = autotune_num_ctas(int(c.shape[0] * c.shape[1] * c.shape[2]), tuple(c.shape[3:]), str(c.dtype))
     plan = Plan(config, engine.selector, False, jnp.dtype(dtype), engine.implementations)
     return _Run(plan, engine, copy, int(num_ctas)), state
@@ -613,19 +649,21 @@ def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int
     n_slots = config.sparse.topk if n_slots is None else n_slots
     kv_layer = 2 * batch * s * kh * d * it
     n_c = max(1, (s - config.sparse.kernel_size) // config.sparse.kernel_stride + 1)
+    off = len(offloaded_layers(config))
     rep = {
         "device: layer 0 K/V": kv_layer,
         "device: compressed keys": L * batch * n_c * kh * d * it,
-        "device: block cache": 2 * (L - 1) * batch * kh * n_slots * bs * d * it,
+        "device: block cache": 2 * off * batch * kh * n_slots * bs * d * it,
     }
+    if off < L - 1:
+        rep["device: dense layers' K/V"] = (L - 1 - off) * kv_layer
     if system in RESIDENT_SYSTEMS:
         rep = {"device: K/V, all layers": L * kv_layer}
     else:
-        rep["host: K/V of layers 1..L-1"] = (L - 1) * kv_layer
+        rep["host: K/V of the offloaded layers"] = off * kv_layer
         if config.has_cis:  # NOSA: one float32 per token and KV head, beside K and V
-            rep["host: cis of layers 1..L-1"] = (L - 1) * batch * s * kh * 4
-            rep["device: block cache"] += (L - 1) * batch * kh * n_slots * bs * 4
+            rep["host: cis of the offloaded layers"] = off * batch * s * kh * 4
+            rep["device: block cache"] += off * batch * kh * n_slots * bs * 4
     rep["device total"] = sum(v for k, v in rep.items() if k.startswith("device"))
     rep["host total"] = sum(v for k, v in rep.items() if k.startswith("host"))
     return rep
-

@@ -109,21 +109,33 @@ def _check_output(path, *, directory: bool = False) -> None:
         raise ValueError(f"output {p} cannot be created: {parent} is not writable")
 
 
-def _with_topk(model, topk: int | None):
-    """The model with its block budget set to topk. The budget counts the forced blocks
-    (`SparseConfig` refuses less, naming SparseConfig.topk); more blocks than the model's whole
-    context holds can never be selected, so such a budget is refused too. (Below that, budgets
-    past a short prompt's blocks are clamped by `generate`.)"""
-    if topk is None:
-        return model
+def _dense_layer_list(s: str) -> tuple[int, ...]:
+    """--dense-layers: as _layer_list, or "none" for no dense layer."""
+    return () if s.strip().lower() == "none" else _layer_list(s)
+
+
+def _with_budget(model, topk: int | None, dense_layers: tuple[int, ...] | None = None):
+    """The model with its block budget set to topk and its dense layers (`SparseConfig.dense_layers`)
+    to dense_layers (None: the preset's). The budget counts the forced blocks (`SparseConfig`
+    refuses less, naming SparseConfig.topk); more blocks than the model's whole context holds
+    can never be selected, so such a budget is refused too. (Below that, budgets past a short
+    prompt's blocks are clamped by `generate`.) A layer past the last is refused by name."""
     import dataclasses
 
     c = model.config
-    blocks = -(-c.max_position_embeddings // c.sparse.block_size)
-    if topk > blocks:
-        raise ValueError(f"--topk {topk} exceeds the {blocks} blocks of {c.name}'s whole context "
-                         f"({c.max_position_embeddings} tokens in blocks of {c.sparse.block_size})")
-    model.config = c.replace(sparse=dataclasses.replace(c.sparse, topk=topk))
+    changes = {}
+    if topk is not None:
+        blocks = -(-c.max_position_embeddings // c.sparse.block_size)
+        if topk > blocks:
+            raise ValueError(f"--topk {topk} exceeds the {blocks} blocks of {c.name}'s whole context "
+                             f"({c.max_position_embeddings} tokens in blocks of {c.sparse.block_size})")
+        changes["topk"] = topk
+    if dense_layers is not None:
+        if dense_layers and dense_layers[-1] >= c.num_layers:
+            raise ValueError(f"--dense-layers names layer {dense_layers[-1]}; {c.name} has layers 0..{c.num_layers - 1}")
+        changes["dense_layers"] = tuple(dense_layers)
+    if changes:
+        model.config = c.replace(sparse=dataclasses.replace(c.sparse, **changes))
     return model
 
 
@@ -139,7 +151,7 @@ def _load(args):
     cache = default_cache_dir() if getattr(args, "compile_cache", False) else None
     model = load_pretrained(args.model, dtype=getattr(jnp, args.dtype), progress=True, cache_dir=cache,
                             adapter=getattr(args, "adapter", None))
-    model = _with_topk(model, getattr(args, "topk", None))
+    model = _with_budget(model, getattr(args, "topk", None), getattr(args, "dense_layers", None))
     print(f"loaded {model.config.name} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return model
 
@@ -628,6 +640,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--topk", type=int,
                         help="block budget, forced blocks included, at most the model's context in blocks "
                              "(generate clamps it to the blocks of its cache); default: the preset's")
+        sp.add_argument("--dense-layers", type=_dense_layer_list, metavar="LAYERS",
+                        help="layers that attend to every key in the sparse systems, their KV kept on the device "
+                             "(e.g. 18 or 3,15-19; 'none': no layer); default: the preset's")
 
     g = sub.add_parser("generate", help="generate text (streaming)")
     model_args(g)

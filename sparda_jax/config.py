@@ -166,6 +166,8 @@ class SparseConfig:
     `init_blocks`, `local_blocks`, `topk`, `nosa_qk_topk` in blocks.
     `local_blocks` counts the blocks BEFORE the query's own block; the own block is always
     forced too, so `init_blocks + local_blocks + 1` blocks are forced. `topk` counts them.
+    `dense_layers`: layers (strictly increasing) that attend to every key in the sparse modes;
+    the offload engine keeps their KV on the device, as layer 0's.
     """
 
     block_size: int = 64
@@ -183,9 +185,15 @@ class SparseConfig:
     # NOSA: the query-aware stage keeps `nosa_qk_topk` blocks (forced ones included), then the
     # query-agnostic cis scores fill the budget up to `topk`. None disables the second stage.
     nosa_qk_topk: int | None = None
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
         c = "SparseConfig"
+        check_instance(c, "dense_layers", self.dense_layers, tuple)
+        for i, layer in enumerate(self.dense_layers):
+            check_int(c, f"dense_layers[{i}]", layer, lo=0)
+        if list(self.dense_layers) != sorted(set(self.dense_layers)):
+            _fail(c, "dense_layers", f"must be strictly increasing, got {self.dense_layers!r}")
         for name in ("block_size", "topk", "kernel_size", "kernel_stride", "coarse_lse_kernel",
                      "coarse_lse_stride"):
             check_int(c, name, getattr(self, name), lo=1)
@@ -303,6 +311,9 @@ class ModelConfig:
         if self.longrope is not None and 2 * len(self.longrope.short_factor) != self.head_dim:
             _fail(c, "longrope", f"needs head_dim / 2 = {self.head_dim // 2} factors, "
                   f"got {len(self.longrope.short_factor)}")
+        if self.sparse.dense_layers and self.sparse.dense_layers[-1] >= self.num_layers:
+            _fail(c, "sparse", f"dense_layers {self.sparse.dense_layers} name a layer past the last "
+                  f"({self.num_layers - 1})")
         if self.arch == "nosa" and self.sparse.nosa_qk_topk is None:
             _fail(c, "sparse", "arch 'nosa' needs sparse.nosa_qk_topk (the query-aware budget)")
 

@@ -61,19 +61,22 @@ def check_lead_forecast(config: ModelConfig, mode: str, path: str) -> None:
                                   f"that only `forward` runs")
 
 
-def layer_inputs(params, forecast, infinigen, *, unroll: bool = False):
+def layer_inputs(params, forecast, infinigen, *, unroll: bool = False, dense_layers: tuple[int, ...] = ()):
     """Each layer's `LayerIn`: the backbone's layer params, the selector kernel that picks the
-    layer's blocks (sparda), the InfiniGen projection, and `first` (layer 0). Stacked on a
-    leading L axis for a scan, or with unroll a tuple with a static `first`; layered params
+    layer's blocks (sparda), the InfiniGen projection, `first` (layer 0) and `dense` (one of
+    `dense_layers`; None for every layer when there are none). Stacked on a leading L axis for
+    a scan, or with unroll a tuple with static `first` and `dense`; layered params
     (`model.layered_params`) are then used as they are, so no weight is sliced in the step."""
     sel = selector_kernels(forecast) if forecast is not None else None
     ig = infinigen.proj if infinigen is not None else None
     layers = params["layers"]
     n = len(layers) if isinstance(layers, tuple) else int(jax.tree.leaves(layers)[0].shape[0])
     if not unroll:
-        return LayerIn(stacked(layers), sel, ig, jnp.arange(n) == 0)
+        dense = jnp.isin(jnp.arange(n), jnp.asarray(dense_layers, jnp.int32)) if dense_layers else None
+        return LayerIn(stacked(layers), sel, ig, jnp.arange(n) == 0, dense)
     at = lambda t, i: None if t is None else jax.tree.map(lambda a: a[i], t)
-    return tuple(LayerIn(layer_params(layers, i), at(sel, i), at(ig, i), i == 0) for i in range(n))
+    return tuple(LayerIn(layer_params(layers, i), at(sel, i), at(ig, i), i == 0,
+                         (i in dense_layers) if dense_layers else None) for i in range(n))
 
 
 # ----------------------------------------------------------------------------------- prefill
@@ -136,7 +139,8 @@ def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool
 
     x = embed(params, tokens, c, plan.dtype)
     zero = jnp.zeros_like(x)
-    (x, _, _), aux = run_layers(body, (x, zero, zero), layer_inputs(params, forecast, infinigen), unroll=False)
+    lins = layer_inputs(params, forecast, infinigen, dense_layers=c.sparse.dense_layers)
+    (x, _, _), aux = run_layers(body, (x, zero, zero), lins, unroll=False)
     if logits_at is not None:  # only these rows reach the LM head ([B, T, vocab] is huge at long T)
         x = jnp.take_along_axis(x, logits_at[:, :, None], axis=1)
     return (unembed(params, x, c) if return_logits else None), aux
@@ -239,7 +243,7 @@ def decode_program(params, tokens, positions, state, forecast, infinigen, *, pla
     cos, sin = rope_tables(c, positions)
     size = (state[0] if unroll else state).size
     ctx = Ctx(DecoderLayer(c, dtype=plan.dtype), cos, sin, positions, -(-size // c.sparse.block_size))
-    lin = layer_inputs(params, forecast, infinigen, unroll=unroll)
+    lin = layer_inputs(params, forecast, infinigen, unroll=unroll, dense_layers=c.sparse.dense_layers)
 
     def body(carry, xs):
         x, h_prev = carry

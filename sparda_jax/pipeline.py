@@ -77,13 +77,15 @@ class Ctx(NamedTuple):
 
 class LayerIn(NamedTuple):
     """One layer's inputs: its params, the selector kernel that picks its blocks (sparda:
-    F0_cur at layer 0, else F_{l-1}), InfiniGen's projection, and first (layer 0; a bool or a
-    traced one)."""
+    F0_cur at layer 0, else F_{l-1}), InfiniGen's projection, first (layer 0; a bool or a
+    traced one), and dense (one of `sparse.dense_layers`: a bool, a traced one, or None when
+    the model has none)."""
 
     params: Any
     sel: jax.Array | None = None
     ig: jax.Array | None = None
     first: Any = False
+    dense: Any = None
 
 
 class Projected(NamedTuple):
@@ -168,14 +170,25 @@ def oracle_blocks(plan: Plan, ctx: Ctx, q, keys: KeySide):
     return nosa_refine(ids, keys.cis_c, ctx.positions, c.sparse, n_blocks=ctx.n_blocks) if c.has_cis else ids
 
 
-def attend_device(plan: Plan, ctx: Ctx, q, ids, keys: KeySide):
-    """Attention over keys held contiguously on the device: dense, or over the blocks `ids`."""
-    if ids is None:
+def attend_device(plan: Plan, ctx: Ctx, q, ids, keys: KeySide, dense=None):
+    """Attention over keys held contiguously on the device: dense (ids None, or a dense layer),
+    or over the blocks `ids`. dense: the layer's `LayerIn.dense`; a traced one (a scanned
+    stack with dense layers) picks between the two in the program."""
+
+    def full():
         qpos = ctx.positions if q.shape[1] != keys.k.shape[1] else None
         return dense_attention(q, keys.k, keys.v, qpos, bias=keys.cis,
                                implementation=plan.implementations.dense_attention)
-    return sparse_attention(q, keys.k, keys.v, ids, ctx.positions, block_size=plan.config.sparse.block_size,
-                            bias=keys.cis, implementation=plan.implementations.sparse_attention)
+
+    def blocks():
+        return sparse_attention(q, keys.k, keys.v, ids, ctx.positions, block_size=plan.config.sparse.block_size,
+                                bias=keys.cis, implementation=plan.implementations.sparse_attention)
+
+    if ids is None or dense is True:
+        return full()
+    if dense is None or dense is False:
+        return blocks()
+    return jax.lax.cond(dense, full, blocks)
 
 
 class PromptKV(struct.PyTreeNode):
@@ -191,8 +204,9 @@ class PromptKV(struct.PyTreeNode):
                        partial_keys(p.k, lin.ig) if lin.ig is not None else None)
         return self, keys, read
 
-    def attend(self, plan: Plan, ctx: Ctx, q, ids, keys: KeySide, p: Projected, pending=None, after=None):
-        return attend_device(plan, ctx, q, ids, keys), self, {}
+    def attend(self, plan: Plan, ctx: Ctx, q, ids, keys: KeySide, p: Projected, pending=None, after=None,
+               dense=None):
+        return attend_device(plan, ctx, q, ids, keys, dense), self, {}
 
 
 class DecodeState(struct.PyTreeNode):
@@ -239,8 +253,9 @@ class DecodeState(struct.PyTreeNode):
         keys = KeySide(new.kv.k.astype(dt), new.kv.v.astype(dt), kc, new.cis, cis_c, pk)
         return new, keys, read
 
-    def attend(self, plan: Plan, ctx: Ctx, q, ids, keys: KeySide, p: Projected, pending=None, after=None):
-        return attend_device(plan, ctx, q, ids, keys), self, {}
+    def attend(self, plan: Plan, ctx: Ctx, q, ids, keys: KeySide, p: Projected, pending=None, after=None,
+               dense=None):
+        return attend_device(plan, ctx, q, ids, keys, dense), self, {}
 
 
 class StepOut(NamedTuple):
@@ -273,7 +288,8 @@ def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=No
     ids = oracle = None
     if pending is not None:
         ids = read  # the prefetched ids, ordered before this layer's append by the source
-    elif not plan.dense:
+    elif not plan.dense and lin.dense is not True:
+        # a traced `lin.dense` selects in every layer of the stack; a dense one attends to all keys
         ids = select_blocks(plan, ctx, lin, p.q, p.h, h_prev, keys)
         if plan.collect:
             oracle = ids if plan.mode == "sparse" else oracle_blocks(plan, ctx, p.q, keys)
@@ -281,7 +297,8 @@ def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=No
     if prefetch is not None:
         nxt, nxt_lin = prefetch
         started, q = nxt.prefetch(plan, ctx, nxt_lin, p.h, q)
-    attn, src, info = src.attend(plan, ctx, q, ids, keys, p, pending=pending, after=started)
+    attn, src, info = src.attend(plan, ctx, q, ids, keys, p, pending=pending, after=started,
+                                 **({} if lin.dense is None else {"dense": lin.dense}))
     x, mid = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
     return x, src, StepOut(p, ids, oracle, started, info, mid)
 

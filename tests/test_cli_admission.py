@@ -57,6 +57,8 @@ ROWS = [
     ("generate --topk 100000", ["generate", "--prompt", "x", "--topk", "100000"],
      "--topk 100000 exceeds the 256 blocks of tiny's whole context", False),
     ("eval --topk 2000", ["eval", "--topk", "2000"], "--topk 2000 exceeds the 256 blocks", False),
+    ("eval --dense-layers 3", ["eval", "--dense-layers", "1,3"], "--dense-layers names layer 3; tiny has layers 0..2",
+     False),
     ("eval --lengths 20000", ["eval", "--suite", "selection", "--lengths", "1024", "20000"],
      "--lengths 20000 exceeds tiny's context of 4096 tokens", False),
     ("demo --json dir", ["demo", "--json", "{tmp}/dir"], "is a directory; give a file path", True),
@@ -113,6 +115,8 @@ USAGE = [
      "--select-layers: layers as 15-19 or 3,7,15-19"),
     ("finetune --select-layers x", ["finetune", "--out", "x", "--select-layers", "a,3"],
      "--select-layers: layers as 15-19 or 3,7,15-19"),
+    ("generate --dense-layers x", ["generate", "--prompt", "x", "--dense-layers", "all"],
+     "--dense-layers: layers as 15-19 or 3,7,15-19"),
 ]
 
 
@@ -121,6 +125,9 @@ def test_layer_lists_parse_to_ascending_indices():
 
     assert _layer_list("15-19") == (15, 16, 17, 18, 19)
     assert _layer_list("7,3,15-16,3") == (3, 7, 15, 16)
+    from sparda_jax.cli import _dense_layer_list
+
+    assert _dense_layer_list("None") == () and _dense_layer_list("18") == (18,)
 
 
 @pytest.mark.parametrize("argv,message", [u[1:] for u in USAGE], ids=[u[0] for u in USAGE])

@@ -19,6 +19,9 @@ from sparda_jax.modes import decode_step, prefill
 TINY = get_preset("tiny")  # blocks of 16, init 1, local 1, topk 4
 TINY_NOSA = get_preset("tiny-nosa")
 
+needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                               reason="no host C++ compiler for the host_ffi twin")
+
 
 def _make(config):
     params = init_model(config, jax.random.key(0))
@@ -79,6 +82,40 @@ def test_offload_equals_resident(setup, mode):
     offload, copied, selected = _run(setup, mode)
     np.testing.assert_allclose(offload, resident, atol=2e-5)
     assert 0 < copied < selected  # the cache reused blocks
+
+
+@pytest.mark.parametrize("mode,dense,copy_impl", [
+    ("sparse", (1,), None), ("sparda", (1,), None), ("sparda", (2,), None), ("sparda_sync", (0, 2), None),
+    ("infinigen", (1,), None), pytest.param("sparda", (1,), "host_ffi", marks=needs_cxx, id="sparda-1-host_ffi")])
+def test_offload_with_dense_layers_equals_resident(setup, mode, dense, copy_impl):
+    """A dense layer (`sparse.dense_layers`) keeps its KV on the device and attends to all of it;
+    the others offload as before: the tokens' logits are the resident decode's of the same
+    config, and differ from those of the config without dense layers."""
+    import dataclasses
+
+    config = TINY.replace(sparse=dataclasses.replace(TINY.sparse, dense_layers=dense))
+    resident, _, _ = _run(setup, mode, resident=True, config=config, steps=30)
+    offload, copied, selected = _run(setup, mode, config=config, copy_impl=copy_impl, steps=30)
+    np.testing.assert_allclose(offload, resident, atol=2e-5)
+    assert 0 < copied < selected
+    without, _, _ = _run(setup, mode, resident=True, steps=30)
+    assert float(jnp.abs(without[1:] - resident[1:]).max()) > 1e-3
+    params, forecast, ig = setup
+    _, st = engine_prefill(params, jnp.ones((1, 40), jnp.int32), jnp.array([40]), config, engine_config(mode),
+                           cache_size=64, forecast=forecast, infinigen=ig)
+    off = [i for i in range(1, TINY.num_layers) if i not in dense]
+    assert st.host["k"].shape[0] == len(off) and len(st.offloaded) == len(off)
+    assert [type(ly).__name__ for ly in st.layers] == ["OffloadLayer" if i in off else "DecodeState"
+                                                       for i in range(1, TINY.num_layers)]
+
+
+def test_every_layer_dense_has_nothing_to_offload(setup):
+    import dataclasses
+
+    config = TINY.replace(sparse=dataclasses.replace(TINY.sparse, dense_layers=(1, 2)))
+    with pytest.raises(ValueError, match="nothing to offload"):
+        engine_prefill(setup[0], jnp.ones((1, 20), jnp.int32), jnp.array([20]), config, EngineConfig("sparse"),
+                       cache_size=64)
 
 
 @pytest.mark.parametrize("mode", ["dense_resident", "sparse_resident"])
@@ -169,9 +206,6 @@ def test_cuda_copy_calls_update_in_place(setup, mode):
     _run(setup, mode, copy_impl="cuda", steps=20)
     assert unaliased_copies("cuda") == (0, 0)
 
-
-needs_cxx = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                               reason="no host C++ compiler for the host_ffi twin")
 
 
 @needs_cxx
@@ -327,6 +361,12 @@ def test_memory_report_minicpm_128k():
     assert r["device: compressed keys"] == 32 * n_c * 2 * 128 * 2
     assert r["device: block cache"] == 2 * 31 * 2 * 96 * 64 * 128 * 2  # topk slots per layer and head
     assert r["device total"] < 0.12 * r["host total"]
+    import dataclasses
+
+    two = memory_report(c.replace(sparse=dataclasses.replace(c.sparse, dense_layers=(5, 9))), batch=1, context=131072)
+    per_layer = 2 * 131072 * 2 * 128 * 2
+    assert two["device: dense layers' K/V"] == 2 * per_layer and two["host total"] == r["host total"] - 2 * per_layer
+    assert two["device: block cache"] == r["device: block cache"] * 29 // 31
 
 
 def test_generation_through_the_engine_matches_resident(setup):
@@ -476,9 +516,11 @@ def test_the_offload_layout_makes_no_buffer_of_its_own(setup):
     prompt = jax.random.randint(jax.random.key(1), (2, 70), 0, TINY.vocab_size)
     _, st = prefill(params, prompt, jnp.array([70, 59]), TINY, cache_size=128, mode="sparda", forecast=forecast)
     ln, b, _, kh, dh = st.kv.k.shape
-    empty = {n: jnp.zeros((ln - 1, b, kh, 3, 64, dh)) for n in ("k", "v")}
-    jaxpr = jax.make_jaxpr(lambda *a: _offload_layout(*a, bs=64))(st, empty, jnp.zeros((ln - 1, b, kh, 3), jnp.int32))
-    assert _made_from_constants(jaxpr.jaxpr) == []
+    for off in ((1, 2), (2,)):  # every layer offloaded; layer 1 dense
+        empty = {n: jnp.zeros((len(off), b, kh, 3, 64, dh)) for n in ("k", "v")}
+        jaxpr = jax.make_jaxpr(lambda *a: _offload_layout(*a, bs=64, offloaded=off))(
+            st, empty, jnp.zeros((len(off), b, kh, 3), jnp.int32))
+        assert _made_from_constants(jaxpr.jaxpr) == []
     # the check sees such a value where one is made
     made = jax.make_jaxpr(jax.jit(lambda x: (x[0], jnp.zeros(3))))(jnp.ones((2, 3)))
     assert _made_from_constants(made.jaxpr) == ["broadcast_in_dim"]

@@ -71,16 +71,62 @@ def test_tight_budget_differs_from_dense(tiny, mode):
     assert float(jnp.abs(sparse[:, 100:] - dense[:, 100:]).max()) > 1e-3
 
 
+def _with_dense_layers(config, layers):
+    return config.replace(sparse=dataclasses.replace(config.sparse, dense_layers=layers))
+
+
+@pytest.mark.parametrize("mode", SPARSE_MODES)
+@pytest.mark.parametrize("nosa", [False, True])
+def test_every_layer_dense_equals_dense(tiny, tiny_nosa, mode, nosa):
+    """A sparse mode whose every layer is in `dense_layers` is the dense mode (a tight budget,
+    160 tokens: the sparse mode itself differs, `test_tight_budget_differs_from_dense`)."""
+    config, setup = (TINY_NOSA, tiny_nosa) if nosa else (TINY, tiny)
+    tokens = jax.random.randint(jax.random.key(2), (2, 160), 0, config.vocab_size)
+    dense = _run(config, setup, tokens, "dense")
+    every = _run(_with_dense_layers(config, tuple(range(config.num_layers))), setup, tokens, mode)
+    np.testing.assert_allclose(every, dense, atol=1e-5)
+
+
+def test_one_dense_layer_is_that_layer_at_every_block(tiny):
+    """dense_layers=(1,) in the sparse mode equals InfLLM-V2's choice elsewhere and a budget of
+    every block in layer 1, as `eval.bound.oracle_forward` computes it (a Python loop over
+    layers with per-layer budgets, no dense attention); it differs from the sparse mode."""
+    from sparda_jax.eval.bound import oracle_forward
+
+    params = tiny[0]
+    t = 160
+    tokens = jax.random.randint(jax.random.key(5), (2, t), 0, TINY.vocab_size)
+    one = _run(_with_dense_layers(TINY, (1,)), tiny, tokens, "sparse")
+    ref, _ = oracle_forward(params, tokens, TINY, oracle_layers=(), layer_topk=((1, t // 16),))
+    np.testing.assert_allclose(one, ref, atol=1e-5)
+    assert float(jnp.abs(one - _run(TINY, tiny, tokens, "sparse")).max()) > 1e-3
+
+
+def test_dense_layers_validated():
+    from sparda_jax.config import ConfigError
+
+    for bad, why in (((2, 1), "strictly increasing"), ((1, 1), "strictly increasing"), ([1], "must be"),
+                     ((-1,), ">= 0"), ((1.0,), "must be an int")):
+        with pytest.raises(ConfigError, match=why):
+            dataclasses.replace(TINY.sparse, dense_layers=bad)
+    with pytest.raises(ConfigError, match="past the last"):
+        _with_dense_layers(TINY, (TINY.num_layers,))
+
+
 @pytest.mark.parametrize("mode", ["dense"] + SPARSE_MODES)
-@pytest.mark.parametrize("nosa,layered,per_layer_weights", [(False, False, False), (True, False, True),
-                                                            (True, True, True)])
-def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa, layered, per_layer_weights):
+@pytest.mark.parametrize("nosa,layered,per_layer_weights,dense_layer", [
+    (False, False, False, False), (True, False, True, False), (True, True, True, False), (False, False, False, True),
+    (True, True, False, True)])
+def test_decode_matches_prefill(tiny, tiny_nosa, mode, nosa, layered, per_layer_weights, dense_layer):
     """Teacher-forced decode, one token at a time from a prefilled state, reproduces the
     prefill logits of the same mode at every position (ragged batch included). layered: the
     state split per layer (`layered_state`, the Python loop over layers; NOSA's for every
     field: K/V, compressed keys, cis and compressed cis, InfiniGen's partial keys).
-    per_layer_weights: prefill and decode read `layered_params` (the scans stack them back)."""
+    per_layer_weights: prefill and decode read `layered_params` (the scans stack them back).
+    dense_layer: layer 1 in `sparse.dense_layers` (a scan's traced choice, a loop's static one)."""
     config, setup = (TINY_NOSA, tiny_nosa) if nosa else (TINY, tiny)
+    if dense_layer:
+        config = _with_dense_layers(config, (1,))
     params, forecast, ig = setup
     b, t0, t1 = 2, 70, 150
     tokens = jax.random.randint(jax.random.key(3), (b, t1), 0, config.vocab_size)

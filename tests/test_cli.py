@@ -24,7 +24,9 @@ def test_demo_finds_the_fact(tmp_path, capsys):
     path = tmp_path / "demo.json"
     assert main(["demo", "--context", "1024", "--depths", "0.5", "--systems", "dense_resident", "sparda",
                  "--json", str(path)]) == 0
-    results = json.loads(path.read_text())
+    record = json.loads(path.read_text())
+    assert record["model"] == "smollm2-135m" and record["budget"]["topk"] == 24 and "commit" in record["environment"]
+    results = record["rows"]
     assert [r["mode"] for r in results] == ["dense_resident", "sparda"]
     assert all(r["context_tokens"] == 1024 and r["correct"] for r in results), results
     assert results[0]["miss_rate"] is None and 0 < results[1]["miss_rate"] < 1

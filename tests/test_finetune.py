@@ -330,7 +330,9 @@ def test_shipped_sparse_native_adapter_copies_better_under_sparse_attention():
     nll = {}
     for name in ("smollm2-135m", "smollm2-135m-sparse"):
         m = api.load_pretrained(name)
-        cfg = m.config.replace(sparse=dataclasses.replace(m.config.sparse, local_blocks=2, topk=8))
+        # the preset attends densely in layer 18 (ADAPTED_DENSE_LAYERS); here the adapter alone is compared
+        assert m.config.sparse.dense_layers == {"smollm2-135m": (), "smollm2-135m-sparse": (18,)}[name]
+        cfg = m.config.replace(sparse=dataclasses.replace(m.config.sparse, local_blocks=2, topk=8, dense_layers=()))
         r = eval_copy(api.Pretrained(cfg, m.params, m.tokenizer, m.dtype), lengths=(1024,), samples=2,
                       modes=("sparse",), progress=False)
         nll[name] = np.array(r["rows"][0]["copy_nll_per_sample"])

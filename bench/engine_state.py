@@ -130,8 +130,12 @@ def build_state(config: ModelConfig, *, batch: int, context: int, mode: str, ext
     """The state `engine_decode_step(mode=...)` takes after a prompt of `context` tokens in every
     row: an `OffloadState` for the offload systems, a `modes.DecodeState` per layer for the resident
     ones (`modes.layered_state`).
-    Room for `extra_tokens` more positions (rounded up to whole blocks)."""
+    Room for `extra_tokens` more positions (rounded up to whole blocks). A config with dense
+    layers (`sparse.dense_layers`) is refused: every layer past 0 is built offloaded here."""
     sp = config.sparse
+    if sp.dense_layers and mode not in RESIDENT_SYSTEMS:
+        raise NotImplementedError(f"build_state lays out every layer 1..L-1 offloaded; dense layers "
+                                  f"{sp.dense_layers} keep theirs on the device (use engine_prefill)")
     bs = sp.block_size
     size = -(-(context + extra_tokens) // bs) * bs
     sel = selector_of(mode)

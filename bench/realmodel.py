@@ -255,6 +255,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                     "steps_per_call": k, "steps_per_call_default": steps_per_call is None, "seed": seed,
                     "budget_s": budget.seconds, "max_position_embeddings": c.max_position_embeddings,
                     "block_size": c.sparse.block_size, "topk": c.sparse.topk,
+                    "dense_layers": list(c.sparse.dense_layers),
                     "implementations": dataclasses.asdict(implementations)},
          "compilation_cache": _compilation_cache(), "copy_libraries_at_start": sorted(_copy_libraries()),
          "definitions": {

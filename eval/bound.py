@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from sparda_jax.config import Implementations, ModelConfig, SparseConfig
 from sparda_jax.model import DecoderLayer, embed, rope_tables, unembed
 from sparda_jax.modes import layer_inputs
+from sparda_jax.ops.dense_attention import dense_attention
 from sparda_jax.ops.sparse_attention import sparse_attention
 from sparda_jax.compress import compress_keys
 from sparda_jax.pipeline import Ctx, KeySide, Plan, oracle_blocks, project
@@ -65,7 +66,9 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
     oracle_layers: only these layers take the oracle's blocks, the others InfLLM-V2's as the
     sparse mode chooses them (None: every layer), to find the layers whose choice costs most.
     layer_topk ((layer, topk), ...): those InfLLM-V2 layers choose `topk` blocks instead of the
-    config's (ids then padded with -1 to the largest budget), to price a larger budget there."""
+    config's (ids then padded with -1 to the largest budget), to price a larger budget there.
+    The config's dense layers (`sparse.dense_layers`) attend to every key, as in the sparse mode
+    (their ids: InfLLM-V2's choice, unused); naming one in oracle_layers or layer_topk is refused."""
     c = config
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -84,9 +87,20 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
                          f"{c.sparse.forced_blocks} forced blocks")
     if budgets and (oracle_layers is None or set(budgets) & set(oracle_layers)):
         raise ValueError(f"layer_topk {layer_topk}: its layers must choose with InfLLM-V2 (not in oracle_layers)")
+    dense = set(c.sparse.dense_layers)
+    if dense & (set(budgets) | set(oracle_layers or ())):
+        raise ValueError(f"layers {sorted(dense)} attend densely (sparse.dense_layers): not in oracle_layers or "
+                         f"layer_topk")
     chosen = []
     for i, lin in enumerate(layer_inputs(params, None, None, unroll=True)):
         p = project(plan, ctx, lin, x)
+        if i in dense:
+            ids = oracle_blocks(plan, ctx, p.q, KeySide(kc=compress_keys(p.k, c.sparse.kernel_size,
+                                                                         c.sparse.kernel_stride)))
+            attn = dense_attention(p.q, p.k, p.v)
+            x, _ = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
+            chosen.append(ids)
+            continue
         if oracle_layers is None or i in oracle_layers:
             ids = attention_mass_topk(p.q, p.k, positions, c.sparse, n_blocks=n_blocks)
         else:

@@ -8,6 +8,7 @@ import dataclasses
 from sparda_jax.api import Pretrained
 
 from .accuracy import eval_tasks
+from .heldout import budget_record
 from .selection import eval_selection
 
 __all__ = ["eval_budget", "budget_markdown"]
@@ -32,7 +33,8 @@ def eval_budget(model: Pretrained, *, topks=(12, 16, 24, 32), length: int = 4096
                 on_row({"rows": rows})
     finally:
         model.config = base
-    return {"model": base.name, "length": length, "rows": rows, "samples_per_cell": samples, "seqs": seqs}
+    return {"model": base.name, "length": length, "rows": rows, "samples_per_cell": samples, "seqs": seqs,
+            "base_budget": budget_record(base.sparse)}  # rows each carry their own topk
 
 
 def _label(mode: str) -> str:

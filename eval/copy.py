@@ -17,7 +17,8 @@ Per (split, length, mode), over `samples` sequences, one prefill-style `forward`
   copy_share      the same for the block of source + j (the copy of the query's own token)
   oracle_*        the same shares for the in-run InfLLM-V2 selection from the layer's true
                   queries (aux["oracle"]): the ceiling a selector predicting it can reach
-Dense attention reads every block: its rows carry the NLL alone.
+Dense attention reads every block: its rows carry the NLL alone; so do the config's dense layers
+(`sparse.dense_layers`) in the shares: they select nothing, and their per-layer share is None.
 """
 
 from __future__ import annotations
@@ -129,10 +130,11 @@ def _t_ci(x: np.ndarray) -> float | None:
 
 
 def _shares(prefix: str, hits: np.ndarray, rows: np.ndarray) -> dict:
-    per_layer = hits.sum(0) / rows.sum(0)  # hits, rows [samples, L]
+    """hits, rows [samples, L]; a layer with no rows (a dense layer) has no share (None)."""
+    per_layer = [None if n == 0 else round(float(h / n), 4) for h, n in zip(hits.sum(0), rows.sum(0))]
     per_sample = hits.sum(1) / rows.sum(1)
     return {prefix: float(hits.sum() / rows.sum()), f"{prefix}_ci95": _t_ci(per_sample),
-            f"{prefix}_per_layer": [round(float(x), 4) for x in per_layer],
+            f"{prefix}_per_layer": per_layer,
             f"{prefix}_per_sample": [float(x) for x in per_sample]}
 
 
@@ -166,6 +168,7 @@ def eval_copy(model: Pretrained, *, lengths=(4096, 8192), samples: int = 8, mode
                 raise ValueError(f"split {text.split!r}: {e}") from None
     extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     trained, rows = extra["forecast_trained"], []
+    selects = np.array([i not in sp.dense_layers for i in range(c.num_layers)], np.int64)  # 0: a dense layer
     bar = tqdm(total=len(seqs) * samples * len(modes), desc="copy", disable=not progress)
     for (split, length), batch in seqs.items():
         s0 = batch[0]
@@ -187,6 +190,7 @@ def eval_copy(model: Pretrained, *, lengths=(4096, 8192), samples: int = 8, mode
                     for name, arr in (("", aux["ids"]), ("oracle_", aux["oracle"])):
                         for what, shift in (("source", 1), ("copy", 0)):
                             h, r = source_share(arr, s, block_size=sp.block_size, shift=shift)
+                            h, r = h * selects, r * selects  # a dense layer's ids are computed, not read
                             sh[name + what][0].append(h)
                             sh[name + what][1].append(r)
                 bar.update(1)
@@ -255,9 +259,9 @@ def copy_markdown(result: dict) -> str:
             out.append("| mode | " + " | ".join(str(i) for i in range(nl)) + " |")
             out.append("|---|" + "---|" * nl)
             for r in layered:
-                out.append(f"| {r['mode']} | " + " | ".join(f"{x:.2f}" for x in r["source_share_per_layer"]) + " |")
+                out.append(f"| {r['mode']} | " + " | ".join(_fmt(x, digits=2) for x in r["source_share_per_layer"]) + " |")
             r = next((r for r in layered if r["mode"] == "sparse"), layered[0])
             out.append("| oracle (in the " + r["mode"] + " run) | "
-                       + " | ".join(f"{x:.2f}" for x in r["oracle_source_share_per_layer"]) + " |")
+                       + " | ".join(_fmt(x, digits=2) for x in r["oracle_source_share_per_layer"]) + " |")
         out.append("")
     return "\n".join(out).strip() + "\n"

@@ -7,7 +7,8 @@ forward (one row per (split, length, mode)):
     binds: the first `topk` blocks see everything);
   - per layer, block recall of the mode's selection against the layer's own InfLLM-V2 choice
     from its true queries (content blocks only: forced blocks are excluded), and the dense
-    attention mass that the selected blocks capture.
+    attention mass that the selected blocks capture. The config's dense layers
+    (`sparse.dense_layers`) select nothing: no recall (None per layer), all of their mass.
 InfiniGen's offline setup uses the "train" part of the corpus.
 """
 
@@ -84,6 +85,8 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
     extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     trained, ig = extra["forecast_trained"], extra.get("infinigen")
     rows = []
+    selects = np.array([i not in c.sparse.dense_layers for i in range(c.num_layers)])
+    selecting = np.flatnonzero(selects)
     bar = tqdm(total=len(texts) * len(lengths) * n_seqs * len(modes), desc="eval", disable=not progress)
     for text, length in ((t, n) for t in texts for n in lengths):
         seqs = [haystack_from_tokens(text.docs, length, seed=seed + 1000 + i) for i in range(n_seqs)]
@@ -106,11 +109,13 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
                 if aux is not None:
                     pos = jnp.arange(length, dtype=jnp.int32)[None]
                     h_, t_, m_ = _layer_metrics(aux["ids"], aux["oracle"], aux["q"], aux["k"], pos, c.sparse)
-                    hits += np.asarray(h_)
-                    total += np.asarray(t_)
-                    mass += np.asarray(m_) / n_seqs
-                    for tt in TILES:  # every layer's selection, as the prefill kernel sees it
-                        blowup[tt].append(float(jnp.mean(jax.lax.map(lambda i: tile_blowup(i, tile=tt), aux["ids"]))))
+                    # a dense layer (sparse.dense_layers) reads every key: no recall, all of its mass
+                    hits += np.asarray(h_) * selects
+                    total += np.asarray(t_) * selects
+                    mass += np.where(selects, np.asarray(m_), 1.0) / n_seqs
+                    for tt in TILES:  # every selecting layer's selection, as the prefill kernel sees it
+                        blowup[tt].append(float(jnp.mean(jax.lax.map(lambda i: tile_blowup(i, tile=tt),
+                                                                     aux["ids"][selecting]))))
                 bar.update(1)
             all_ = np.concatenate(nll_all)
             late = np.concatenate(nll_late)

@@ -424,8 +424,8 @@ def _engine_decode_impl(params, tokens, positions, state: OffloadState, forecast
     # with the CUDA copy (or its CPU twin) the layers run as a Python loop: a copy in flight must
     # not cross a loop carry (XLA may copy a carry, reading a buffer the side stream still
     # writes), and the synchronous copies update each layer's buffers in place that way; so do
-    # dense layers, whose sources differ from the others'
-    unroll = run.copy in FFI_IMPLEMENTATIONS or len(rows) < c.num_layers - 1
+    # dense layers, whose sources (and static `LayerIn.dense`) differ from the others'
+    unroll = run.copy in FFI_IMPLEMENTATIONS or bool(c.sparse.dense_layers)
     pos = _own_buffer(positions)
     cos, sin = rope_tables(c, pos[:, None])
     ctx = Ctx(DecoderLayer(c, dtype=plan.dtype), cos, sin, pos[:, None], -(-state.size // c.sparse.block_size))
@@ -664,6 +664,7 @@ def memory_report(config: ModelConfig, *, batch: int, context: int, n_slots: int
         if config.has_cis:  # NOSA: one float32 per token and KV head, beside K and V
             rep["host: cis of the offloaded layers"] = off * batch * s * kh * 4
             rep["device: block cache"] += off * batch * kh * n_slots * bs * 4
+            rep["device: cis of layer 0 and the dense layers"] = (L - off) * batch * s * kh * 4
     rep["device total"] = sum(v for k, v in rep.items() if k.startswith("device"))
     rep["host total"] = sum(v for k, v in rep.items() if k.startswith("host"))
     return rep

@@ -86,6 +86,7 @@ def test_offload_equals_resident(setup, mode):
 
 @pytest.mark.parametrize("mode,dense,copy_impl", [
     ("sparse", (1,), None), ("sparda", (1,), None), ("sparda", (2,), None), ("sparda_sync", (0, 2), None),
+    ("sparda", (0,), None),
     ("infinigen", (1,), None), pytest.param("sparda", (1,), "host_ffi", marks=needs_cxx, id="sparda-1-host_ffi")])
 def test_offload_with_dense_layers_equals_resident(setup, mode, dense, copy_impl):
     """A dense layer (`sparse.dense_layers`) keeps its KV on the device and attends to all of it;

@@ -258,6 +258,28 @@ def test_eval_copy_rows_and_nll_span(tmp_path, tiny, corpus_module):
         assert (sparse["source_start"], sparse["repeat_start"]) == (seq.source, seq.repeat)
 
 
+def test_dense_layers_select_nothing_in_the_suites(tmp_path, tiny_params, corpus_module):
+    """A dense layer (`sparse.dense_layers`) computes a selection it does not read: the copy
+    suite gives it no source share (the pooled share is the other layers'), the selection suite
+    no recall and all of its attention mass."""
+    import dataclasses
+
+    from sparda_jax.eval.selection import eval_selection
+
+    config = TINY.replace(sparse=dataclasses.replace(TINY.sparse, dense_layers=(1,)))
+    model = Pretrained(config, tiny_params, ByteTokenizer())
+    d = write_corpus(tmp_path / "c", {"eval-man": [400] * 6})
+    texts = corpus_texts(d, ["eval-man"], vocab_size=TINY.vocab_size)
+    r = eval_copy(model, lengths=(640,), samples=2, modes=("sparse",), texts=texts, progress=False)
+    row = r["rows"][0]
+    per = row["source_share_per_layer"]
+    assert per[1] is None and None not in (per[0], per[2]) and r["budget"]["dense_layers"] == [1]
+    assert row["source_share"] == pytest.approx((per[0] + per[2]) / 2, abs=1e-4)  # equal rows per layer
+    s = eval_selection(model, lengths=(640,), n_seqs=1, modes=("sparse",), texts=texts, progress=False)["rows"][0]
+    assert s["recall_per_layer"][1] is None and s["recall"] == 1.0  # InfLLM-V2 is its own oracle elsewhere
+    assert s["attention_mass_per_layer"][1] == 1.0 and s["attention_mass_per_layer"][0] < 1
+
+
 def test_cli_selection_and_copy_on_corpus_splits(tmp_path, loads, corpus_module, capsys):
     d = write_corpus(tmp_path / "c", {s: [300] * 6 for s in SPLITS})
     out = tmp_path / "sel.json"

@@ -100,6 +100,11 @@ def test_one_dense_layer_is_that_layer_at_every_block(tiny):
     ref, _ = oracle_forward(params, tokens, TINY, oracle_layers=(), layer_topk=((1, t // 16),))
     np.testing.assert_allclose(one, ref, atol=1e-5)
     assert float(jnp.abs(one - _run(TINY, tiny, tokens, "sparse")).max()) > 1e-3
+    # oracle_forward reads the config's dense layers too; it refuses to put the oracle in one
+    same, _ = oracle_forward(params, tokens, _with_dense_layers(TINY, (1,)), oracle_layers=())
+    np.testing.assert_allclose(same, one, atol=1e-5)
+    with pytest.raises(ValueError, match="attend densely"):
+        oracle_forward(params, tokens, _with_dense_layers(TINY, (1,)), oracle_layers=(1,))
 
 
 def test_dense_layers_validated():

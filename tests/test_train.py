@@ -212,6 +212,18 @@ def test_resume_with_other_settings_is_refused_unless_overridden(tmp_path, tiny_
         train(adapted, TrainConfig(**{**other.__dict__, "steps": 4}), tmp_path, **kw)
 
 
+def test_a_record_older_than_a_setting_counts_its_default(tmp_path):
+    """A run recorded before `sparse.dense_layers` existed had none: resuming with dense layers
+    is a change (refused without override); resuming without them is not."""
+    from sparda_jax.train.run import run_record
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"sparse": {"topk": 24}, "overrides": []}))
+    assert run_record(path, {"sparse": {"topk": 24, "dense_layers": ()}}, 5, override=False)["overrides"] == []
+    with pytest.raises(ValueError, match=r"sparse\.dense_layers: \[\] -> \[18\]"):
+        run_record(path, {"sparse": {"topk": 24, "dense_layers": (18,)}}, 5, override=False)
+
+
 def test_run_started_from_a_forecast_file(tmp_path, tiny_params):
     """init_from: step 1's loss is that Forecast's loss (not a random one's); the record names its
     sha256; a missing file fails before any training."""

@@ -94,6 +94,8 @@ def plot_metrics(jsonl: Path, png: Path, *, loss_label: str = "partition KL, sum
 
 # settings that may change on resume without changing what a step computes
 _FREE = {"train.steps"}
+# settings added after runs were recorded, with the value a record without them had
+_ADDED = {"sparse.dense_layers": []}
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -117,6 +119,7 @@ def run_record(path: Path, settings: dict, step: int, *, override: bool) -> dict
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"{path}: the run's record is unreadable ({e}); resume needs it") from None
     before, now = _flat({k: old[k] for k in settings if k in old}), _flat(settings)
+    before |= {k: v for k, v in _ADDED.items() if k.split(".")[0] in old and k not in before}
     changed = {k: [before[k], v] for k, v in now.items() if k in before and before[k] != v and k not in _FREE}
     overrides = list(old.get("overrides", []))
     if changed:

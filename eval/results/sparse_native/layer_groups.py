@@ -5,10 +5,15 @@ sparse mode itself), on the held-out copy sequences of `sparda eval --suite copy
 The shipped adapter (or --adapter FILE), float32. Run from the repository root:
 
     python eval/results/sparse_native/layer_groups.py CORPUS_DIR LENGTH SAMPLES OUT.json SPLIT... \
-        [--layers 15-19] [--group-size 1] [--adapter FILE] [--no-groups] [--no-all] [--budget 18=48 ...]
+        [--layers 15-19] [--group-size 1] [--adapter FILE] [--no-groups] [--no-all] [--budget 18=48 ...] \
+        [--dense-layers 18]
+
+Every layer selects unless --dense-layers names some (the recorded runs predate the preset's dense
+layer 18, so the default here is none).
 """
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -26,10 +31,11 @@ from sparda_jax.eval.heldout import corpus_texts
 
 def main(corpus: str, length: int, samples: int, out: str, splits: list[str], *, layers: tuple[int, ...] | None = None,
          group_size: int = 5, adapter: str | None = None, budgets: tuple[tuple[int, int], ...] = (),
-         with_all: bool = True) -> None:
+         with_all: bool = True, dense_layers: tuple[int, ...] = ()) -> None:
     """Groups of group_size consecutive layers among `layers` (default: all of them; () none);
     then one arm per (layer, topk) of `budgets`: InfLLM-V2 everywhere, that layer with topk blocks."""
     m = api.load_pretrained("smollm2-135m-sparse", adapter=adapter)
+    m.config = m.config.replace(sparse=dataclasses.replace(m.config.sparse, dense_layers=dense_layers))
     c, sp = m.config, m.config.sparse
     layers = tuple(range(c.num_layers)) if layers is None else layers
     groups = [layers[i:i + group_size] for i in range(0, len(layers), group_size)]
@@ -81,7 +87,9 @@ if __name__ == "__main__":
     ap.add_argument("--no-all", action="store_true", help="no arm with the oracle in every layer")
     ap.add_argument("--budget", action="append", default=[], metavar="LAYER=TOPK",
                     help="an arm with InfLLM-V2's choice of TOPK blocks in LAYER (repeatable)")
+    ap.add_argument("--dense-layers", type=_layer_list, default=(), help="layers that attend densely (default: none)")
     a = ap.parse_args()
     budgets = tuple(tuple(int(x) for x in b.split("=")) for b in a.budget)
     main(a.corpus, a.length, a.samples, a.out, a.splits, layers=() if a.no_groups else a.layers,
-         group_size=a.group_size, adapter=a.adapter, budgets=budgets, with_all=not a.no_all)
+         group_size=a.group_size, adapter=a.adapter, budgets=budgets, with_all=not a.no_all,
+         dense_layers=a.dense_layers)

@@ -131,6 +131,10 @@ FILES = {
     "realmodel/prefill_topk.json": "4K and 8K batch 1 with --profile-prefill after the top-k's rows per CTA "
                                    "followed the row count (H100): the top-k 0.64 ms of a 4K prefill (5.0 before), "
                                    "SparDA's prefill 1.63x / 1.37x Dense+'s at 4K / 8K",
+    "realmodel/sparse_native_dense18.json": "`--model smollm2-135m-sparse` (layer 18 dense), 4K and 8K batch 1, "
+                                            "H100: what the sparse-native preset's users get",
+    "realmodel/h100_repeat.json": "the base model right after sparse_native_dense18.json on the same H100: its "
+                                  "baseline, and one more sample of the 4K decode ratio (0.44)",
     "select/select_smollm2_4k8k.json": "the four selectors at SmolLM2's shapes (3 KV heads, head dim 64), 4K and 8K, "
                                        "batch 1, prefill",
     "select/topk_rows_sweep.json": "the Mosaic top-k's rows per CTA at SmolLM2's prefill shapes beside XLA's "

@@ -297,8 +297,7 @@ def layer_step(plan: Plan, ctx: Ctx, lin: LayerIn, x, h_prev, src, *, pending=No
     if prefetch is not None:
         nxt, nxt_lin = prefetch
         started, q = nxt.prefetch(plan, ctx, nxt_lin, p.h, q)
-    attn, src, info = src.attend(plan, ctx, q, ids, keys, p, pending=pending, after=started,
-                                 **({} if lin.dense is None else {"dense": lin.dense}))
+    attn, src, info = src.attend(plan, ctx, q, ids, keys, p, pending=pending, after=started, dense=lin.dense)
     x, mid = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
     return x, src, StepOut(p, ids, oracle, started, info, mid)
 

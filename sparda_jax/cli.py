@@ -674,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=_cmd_generate)
 
     d = sub.add_parser("demo", help="long-context retrieval on the default model (the README's main job)")
-    model_args(d)
+    model_args(d, default="smollm2-135m-sparse")  # the model trained for sparse attention: every system can answer
     d.add_argument("--context", type=int, default=4096, help="prompt length in tokens")
     d.add_argument("--depths", type=float, nargs="+", default=[0.5],
                    help="where the fact sits, as fractions of the context")

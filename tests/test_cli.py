@@ -25,7 +25,9 @@ def test_demo_finds_the_fact(tmp_path, capsys):
     assert main(["demo", "--context", "1024", "--depths", "0.5", "--systems", "dense_resident", "sparda",
                  "--json", str(path)]) == 0
     record = json.loads(path.read_text())
-    assert record["model"] == "smollm2-135m" and record["budget"]["topk"] == 24 and "commit" in record["environment"]
+    assert record["model"] == "smollm2-135m-sparse" and record["adapter"].startswith("adapter-smollm2-135m-sparse")
+    assert record["budget"]["topk"] == 24 and record["budget"]["dense_layers"] == [18]
+    assert "commit" in record["environment"]
     results = record["rows"]
     assert [r["mode"] for r in results] == ["dense_resident", "sparda"]
     assert all(r["context_tokens"] == 1024 and r["correct"] for r in results), results

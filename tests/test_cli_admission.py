@@ -97,7 +97,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, message, before_load, tmp_path, 
     if before_load:
         assert loads == []
     else:
-        assert loads == ["smollm2-135m"]
+        # the demo's default is the sparse-native model, the other commands' the base model
+        assert loads == ["smollm2-135m-sparse" if argv[0] == "demo" else "smollm2-135m"]
 
 
 # argparse refuses these itself: usage plus one error line, exit code 2

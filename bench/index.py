@@ -135,6 +135,8 @@ FILES = {
                                             "H100: what the sparse-native preset's users get",
     "realmodel/h100_repeat.json": "the base model right after sparse_native_dense18.json on the same H100: its "
                                   "baseline, and one more sample of the 4K decode ratio (0.44)",
+    "realmodel/host_offload_probe.py": "a probe for the 4K prefill's KV move (not yet run on a GPU): does each layer's "
+                                        "KV reach pinned host memory inside the scan while later layers compute?",
     "select/select_smollm2_4k8k.json": "the four selectors at SmolLM2's shapes (3 KV heads, head dim 64), 4K and 8K, "
                                        "batch 1, prefill",
     "select/topk_rows_sweep.json": "the Mosaic top-k's rows per CTA at SmolLM2's prefill shapes beside XLA's "

@@ -637,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(sp, default="smollm2-135m", adapter=True):
         sp.add_argument("--model", default=default,
                         help="smollm2-135m, smollm2-135m-sparse (with its sparse-attention adapter), a .gguf file "
-                             "or an HF checkpoint directory")
+                             "or an HF checkpoint directory (default: %(default)s)")
         if adapter:
             sp.add_argument("--adapter", metavar="FILE",
                             help="a LoRA adapter file (`sparda finetune`'s adapter.safetensors) merged into the "

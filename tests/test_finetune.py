@@ -637,3 +637,23 @@ def test_finetune_starts_from_an_adapter_file(tmp_path, tiny_params):
     assert cli._init_adapter_path("shipped", smol) == adapter_file.adapter_path("smollm2-135m-sparse")
     with pytest.raises(SystemExit, match="no adapter is shipped"):
         cli._init_adapter_path("shipped", model)
+
+
+def test_training_through_dense_layers(tiny_params):
+    """Fine-tuning a config with dense layers differentiates through the scan's choice between
+    dense and block-sparse attention: with every layer dense the sparse loss and its adapter
+    gradient are the dense mode's; with one dense layer the loss lies apart from both."""
+    import dataclasses
+
+    tok = _tokens(11, (2, T))
+    ad = _random_adapter(12)
+    with_dense = lambda layers: TINY.replace(sparse=dataclasses.replace(TINY.sparse, dense_layers=layers))
+    loss = lambda cfg, fc: jax.value_and_grad(lambda a: finetune_loss(a, tiny_params, tok, config=cfg, fc=fc)[0])(ad)
+    every, g_every = loss(with_dense((0, 1, 2)), FC)
+    dense, g_dense = loss(TINY, dataclasses.replace(FC, dense_weight=1.0))  # the dense-only control
+    np.testing.assert_allclose(float(every), float(dense), rtol=1e-5)
+    # the same float32 ops but in another program (the cond's branch): sums may round apart
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-7), g_every, g_dense)
+    one, _ = loss(with_dense((1,)), FC)
+    sparse, _ = loss(TINY, FC)
+    assert abs(float(one) - float(sparse)) > 1e-5 and abs(float(one) - float(dense)) > 1e-5

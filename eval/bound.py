@@ -94,21 +94,15 @@ def oracle_forward(params, tokens, config: ModelConfig, *, dtype=jnp.float32, lo
     chosen = []
     for i, lin in enumerate(layer_inputs(params, None, None, unroll=True)):
         p = project(plan, ctx, lin, x)
-        if i in dense:
-            ids = oracle_blocks(plan, ctx, p.q, KeySide(kc=compress_keys(p.k, c.sparse.kernel_size,
-                                                                         c.sparse.kernel_stride)))
-            attn = dense_attention(p.q, p.k, p.v)
-            x, _ = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
-            chosen.append(ids)
-            continue
-        if oracle_layers is None or i in oracle_layers:
+        if oracle_layers is None and i not in dense or i in (oracle_layers or ()):
             ids = attention_mass_topk(p.q, p.k, positions, c.sparse, n_blocks=n_blocks)
         else:
             kc = compress_keys(p.k, c.sparse.kernel_size, c.sparse.kernel_stride)
             layer_plan = plan if i not in budgets else dataclasses.replace(
                 plan, config=c.replace(sparse=dataclasses.replace(c.sparse, topk=budgets[i])))
             ids = oracle_blocks(layer_plan, ctx, p.q, KeySide(kc=kc))
-        attn = sparse_attention(p.q, p.k, p.v, ids, positions, block_size=c.sparse.block_size)
+        attn = (dense_attention(p.q, p.k, p.v) if i in dense
+                else sparse_attention(p.q, p.k, p.v, ids, positions, block_size=c.sparse.block_size))
         x, _ = ctx.layer.apply({"params": lin.params}, x, attn, method="finish_mid")
         chosen.append(ids)
     if logits_at is not None:

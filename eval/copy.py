@@ -37,7 +37,7 @@ from sparda_jax.api import Pretrained, mode_kwargs, prepare_modes
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import haystack_from_tokens
 
-from .heldout import HeldoutText, budget_record, describe, python_docs_text
+from .heldout import HeldoutText, budget_record, describe, python_docs_text, selecting_layers
 from .selection import mode_rows
 
 __all__ = ["CopySequence", "copy_sequence", "source_share", "eval_copy", "copy_markdown", "PASSAGE_TOKENS",
@@ -168,7 +168,7 @@ def eval_copy(model: Pretrained, *, lengths=(4096, 8192), samples: int = 8, mode
                 raise ValueError(f"split {text.split!r}: {e}") from None
     extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     trained, rows = extra["forecast_trained"], []
-    selects = np.array([i not in sp.dense_layers for i in range(c.num_layers)], np.int64)  # 0: a dense layer
+    selects = selecting_layers(c).astype(np.int64)  # 0: a dense layer
     bar = tqdm(total=len(seqs) * samples * len(modes), desc="copy", disable=not progress)
     for (split, length), batch in seqs.items():
         s0 = batch[0]

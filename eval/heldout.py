@@ -120,3 +120,9 @@ def budget_record(sp) -> dict:
     return {"block_size": sp.block_size, "init_blocks": sp.init_blocks, "local_blocks": sp.local_blocks,
             "topk": sp.topk, "kernel_size": sp.kernel_size, "kernel_stride": sp.kernel_stride,
             "dense_layers": list(sp.dense_layers)}
+
+
+def selecting_layers(config) -> np.ndarray:
+    """bool [L]: the layers that select blocks (not in `sparse.dense_layers`), whose selections
+    the suites' metrics count."""
+    return np.array([i not in config.sparse.dense_layers for i in range(config.num_layers)])

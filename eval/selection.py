@@ -29,7 +29,7 @@ from sparda_jax.metrics import attention_mass, recall_counts, tile_blowup
 from sparda_jax.modes import MODES, forward
 from sparda_jax.text import haystack_from_tokens
 
-from .heldout import HeldoutText, budget_record, describe, python_docs_text
+from .heldout import HeldoutText, budget_record, describe, python_docs_text, selecting_layers
 
 __all__ = ["eval_selection", "markdown_table", "mode_rows", "check_room"]
 
@@ -85,7 +85,7 @@ def eval_selection(model: Pretrained, *, lengths=(4096, 8192), n_seqs: int = 4, 
     extra = prepare_modes(model, modes, seed=seed, forecast=forecast)
     trained, ig = extra["forecast_trained"], extra.get("infinigen")
     rows = []
-    selects = np.array([i not in c.sparse.dense_layers for i in range(c.num_layers)])
+    selects = selecting_layers(c)
     selecting = np.flatnonzero(selects)
     bar = tqdm(total=len(texts) * len(lengths) * n_seqs * len(modes), desc="eval", disable=not progress)
     for text, length in ((t, n) for t in texts for n in lengths):

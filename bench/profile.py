@@ -41,7 +41,7 @@ from collections import defaultdict
 
 import jax
 
-__all__ = ["profile_calls", "summarize_trace", "profile_lines"]
+__all__ = ["profile_calls", "trace_once", "TraceWindow", "summarize_trace", "profile_lines"]
 
 
 def _union_length(intervals) -> float:
@@ -198,27 +198,52 @@ def trace_once(call, trace_path) -> tuple:
     return result, summary
 
 
+class TraceWindow:
+    """A trace started and stopped by the caller, e.g. from a `generate`'s on_step once its first
+    decode call has ended, so that only the steady steps are traced. `stop(steps)` summarises
+    per step (`summarize_trace`); with keep_trace the trace is kept as <log_dir>.trace.json.gz."""
+
+    def __init__(self, log_dir, *, keep_trace: bool = False):
+        self.log_dir = pathlib.Path(log_dir)
+        self.keep_trace = keep_trace
+        self.started = False
+
+    def start(self) -> None:
+        if self.started:
+            raise RuntimeError("the trace window is already open")
+        if self.log_dir.exists():
+            shutil.rmtree(self.log_dir)
+        jax.profiler.start_trace(str(self.log_dir))
+        self.started = True
+
+    def stop(self, steps: int) -> dict:
+        if not self.started:
+            raise RuntimeError("the trace window was never started")
+        jax.profiler.stop_trace()
+        self.started = False
+        found = sorted(self.log_dir.glob("plugins/profile/*/*.trace.json.gz"))
+        if not found:
+            return {"error": f"no trace.json.gz under {self.log_dir}"}
+        with gzip.open(found[-1], "rb") as f:
+            summary = summarize_trace(json.load(f), steps)
+        if self.keep_trace:
+            # beside log_dir, not six folders down: the device tool brings back shallow files only
+            kept = self.log_dir.with_name(self.log_dir.name + ".trace.json.gz")
+            shutil.copyfile(found[-1], kept)
+            summary["trace"] = str(kept)
+        shutil.rmtree(self.log_dir)  # the xplane too: large, and unreadable without the profiler plugin
+        return summary
+
+
 def _traced(call, steps: int, log_dir, keep_trace: bool) -> tuple:
-    log_dir = pathlib.Path(log_dir)
-    if log_dir.exists():
-        shutil.rmtree(log_dir)
-    jax.profiler.start_trace(str(log_dir))
+    window = TraceWindow(log_dir, keep_trace=keep_trace)
+    window.start()
     try:
         result = jax.block_until_ready(call())
-    finally:
+    except BaseException:
         jax.profiler.stop_trace()
-    found = sorted(log_dir.glob("plugins/profile/*/*.trace.json.gz"))
-    if not found:
-        return result, {"error": f"no trace.json.gz under {log_dir}"}
-    with gzip.open(found[-1], "rb") as f:
-        summary = summarize_trace(json.load(f), steps)
-    if keep_trace:
-        # beside log_dir, not six folders down: the device tool brings back shallow files only
-        kept = log_dir.with_name(log_dir.name + ".trace.json.gz")
-        shutil.copyfile(found[-1], kept)
-        summary["trace"] = str(kept)
-    shutil.rmtree(log_dir)  # the xplane too: large, and unreadable without the profiler plugin
-    return result, summary
+        raise
+    return result, window.stop(steps)
 
 
 def profile_lines(rows, label=lambda x: f"{x.get('mode')} B={x.get('batch')}", top: int = 6,

@@ -38,7 +38,7 @@ import numpy as np
 
 from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.bench.engine_state import block_bytes
-from sparda_jax.bench.profile import profile_calls, profile_lines
+from sparda_jax.bench.profile import TraceWindow, profile_calls, profile_lines
 from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, save_png, write_json
 from sparda_jax.config import Implementations
 from sparda_jax.envinfo import environment
@@ -143,10 +143,13 @@ def _copy_libraries() -> set[str]:
 
 
 def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int, k: int,
-          profile_prefill: bool = False, implementations: Implementations = Implementations()) -> dict:
+          profile_prefill: bool = False, implementations: Implementations = Implementations(),
+          profile_decode: bool = False) -> dict:
     """One (system, prompts) cell: the timing and traffic fields of a row (see the module doc);
-    with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`);
-    implementations: the ops' backends in the system's engine."""
+    with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`); with
+    profile_decode, "decode_profile": one more warm generate traced from the end of its first
+    decode call to its last token (the steady steps only); implementations: the ops' backends in
+    the system's engine."""
     kw = system_kwargs(extra, system)
     kw["engine"] = dataclasses.replace(kw["engine"], implementations=implementations)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
@@ -174,6 +177,19 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     if profile_prefill:
         with tempfile.TemporaryDirectory() as d:
             profile = profile_calls(prefill_only, 1, Path(d) / "trace", keep_trace=False)
+    decode_profile = None
+    if profile_decode:
+        with tempfile.TemporaryDirectory() as d:
+            window, seen = TraceWindow(Path(d) / "trace"), []
+
+            def open_after_first_call(_):
+                seen.append(None)
+                if len(seen) == k + 1:  # the prompt's token, then the first decode call's k
+                    window.start()
+
+            generate(model.params, model.config, prompts, sampling, on_step=open_after_first_call, **run)
+            if window.started:
+                decode_profile = window.stop(len(seen) - 1 - k)
     rate = cold.steady_tokens_per_s
     offload = system in OFFLOAD_SYSTEMS
     bb = block_bytes(model.config, model.dtype)
@@ -201,6 +217,8 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     }
     if profile is not None:
         r["prefill_profile"] = profile
+    if decode_profile is not None:
+        r["decode_profile"] = decode_profile
     if offload:
         from sparda_jax.kernels.kv_copy import resolve_implementation
 
@@ -227,7 +245,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                     new_tokens: int = NEW_TOKENS, steps_per_call: int | None = None, seed: int = 0,
                     budget: Budget | None = None, out: str | Path | None = None, command: str | None = None,
                     log=None, progress: bool = True, profile_prefill: bool = False,
-                    implementations: Implementations = Implementations()) -> dict:
+                    implementations: Implementations = Implementations(), profile_decode: bool = False) -> dict:
     """Run every (context, batch, system) cell, in that nesting order, and return the result dict
     (written to `out` after each cell when given): environment, config, compilation_cache,
     copy_libraries_at_start, definitions, rows (one per cell: system, context, prompt_tokens,
@@ -235,7 +253,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
     the module doc's fields, None where not measured), claims (`claims`), complete.
     steps_per_call None: `default_steps_per_call(new_tokens)`. profile_prefill: each row's
     "prefill_profile", the summary of one more warm prefill under the profiler (device busy time,
-    top kernels, host events: `bench.profile.summarize_trace`). implementations: each op's
+    top kernels, host events: `bench.profile.summarize_trace`); profile_decode: each row's
+    "decode_profile", the same for the steady decode steps of one more warm generate. implementations: each op's
     backend in every cell (None fields: the op picks; in config). Raises ValueError (`check_inputs`)
     before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm
@@ -294,7 +313,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                 if len(prompts_by_len.get(n, ())) < b:
                     prompts_by_len[n] = make_prompts(model.tokenizer.encode, n, max(batches), seed)
                 row.update(_cell(model, prompts_by_len[n][:b], s, extra, new_tokens, k, profile_prefill,
-                                 implementations))
+                                 implementations, profile_decode))
             except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
                 msg = str(e).splitlines()[0][:400] if str(e) else ""
                 row.update(status="error", error=f"{type(e).__name__}: {msg}")
@@ -303,6 +322,9 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
         log(_row_line(row))
         for line in profile_lines([row], label=lambda x: f"prefill {x['system']} T={x['context']} B={x['batch']}",
                                   key="prefill_profile"):
+            log(line)
+        for line in profile_lines([row], label=lambda x: f"decode {x['system']} T={x['context']} B={x['batch']}",
+                                  key="decode_profile"):
             log(line)
         if out is not None:
             write_json(r, out)
@@ -478,7 +500,7 @@ def main(args) -> int:
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
                         steps_per_call=args.steps_per_call, budget=budget, out=out,
                         command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill,
-                        implementations=Implementations(**dict(args.implementation or ())))
+                        profile_decode=args.profile_decode, implementations=Implementations(**dict(args.implementation or ())))
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])

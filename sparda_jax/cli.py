@@ -824,6 +824,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--profile-prefill", action="store_true",
                     help="realmodel: trace one more steady prefill per cell; its summary (device busy time, top "
                          "kernels, host events) goes into the row as prefill_profile")
+    bn.add_argument("--profile-decode", action="store_true",
+                    help="realmodel: trace the steady decode steps of one more generate per cell (after its first "
+                         "decode call); the summary goes into the row as decode_profile")
     bn.add_argument("--implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel: force these backends in every cell (`sparda_jax.Implementations`), e.g. "
                          "sparse_attention=xla select=xla; recorded in the JSON's config")

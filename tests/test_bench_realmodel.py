@@ -111,6 +111,20 @@ def test_prefill_profile_traces_one_more_warm_prefill(tiny, tmp_path):
     assert lines and lines[0].startswith("profile prefill")
 
 
+def test_decode_profile_traces_the_steady_steps_only(tiny):
+    """profile_decode: the trace opens after the first decode call, so its summary is per steady
+    step, NEW - 1 - K of them."""
+    r = RM.bench_realmodel(tiny, systems=("sparda",), contexts=(CONTEXT,), batches=(1,), new_tokens=NEW,
+                           steps_per_call=K, command="test", progress=False, log=lambda s: None, profile_decode=True)
+    (x,) = r["rows"]
+    p = x["decode_profile"]
+    assert x["status"] == "ok" and "prefill_profile" not in x, x
+    assert p["steps"] == NEW - 1 - K and p["kernels_per_step"] >= 1, p
+    assert 0 < p["busy_s_per_step"] <= p["span_s_per_step"], p
+    lines = RM.profile_lines([x], label=lambda y: "decode", key="decode_profile")
+    assert lines and lines[0].startswith("profile decode")
+
+
 def test_miss_rate_and_bytes_against_an_independent_run(grid, tiny):
     """The same prompts through `generate` directly (the same programs, compiled already): the
     same counters; bytes per token = copied x (K and V x 16 tokens x head dim 16 x 4 bytes)
@@ -157,7 +171,8 @@ def test_bad_input_is_refused_before_any_work(tiny, monkeypatch, capsys):
 def test_every_cell_gets_a_row_failed_or_skipped(tiny, monkeypatch, tmp_path):
     """A failing cell is a row with its error and the run goes on; past the budget, cells are
     skipped rows."""
-    def cell(model, prompts, system, extra, new_tokens, k, profile_prefill=False, implementations=None):
+    def cell(model, prompts, system, extra, new_tokens, k, profile_prefill=False, implementations=None,
+             profile_decode=False):
         if system == "sparda":
             raise RuntimeError("no copy for you\nsecond line")
         return {"steady_tokens_per_s": 1.0, "prefill_s": 0.5}

@@ -52,6 +52,7 @@ from .blockcache import assign_slots
 from .generate import sample_next
 
 __all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
+           "engine_prefill_staged", "engine_offload", "StagedOffload",
            "engine_decode_step", "engine_decode_steps", "engine_generate_steps", "selector_of", "memory_report",
            "resolve", "offloaded_layers"]
 
@@ -155,7 +156,27 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     """Prefill with all KV on the device, then move the offloaded layers (`offloaded_layers`) to
     the host and set up their block caches. Returns (last logits [B, V], state): for resident systems one
     `DecodeState` per layer (`layered_state`), for offload systems an `OffloadState`.
-    `cache_size` is rounded up to whole blocks."""
+    `cache_size` is rounded up to whole blocks. `engine_prefill_staged` + `engine_offload`, in one."""
+    last, staged = engine_prefill_staged(params, tokens, lengths, config, engine, cache_size=cache_size,
+                                         forecast=forecast, infinigen=infinigen, dtype=dtype)
+    return last, engine_offload(staged)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedOffload:
+    """An offload system's prefilled state before its move to the host: layer 0's state, the
+    offloaded layers' payloads in blocks (still on the device) and their `OffloadLayer`s."""
+    layer0: Any
+    blocks: dict
+    layers: tuple
+    params: Any  # their device is where the state is committed
+
+
+def engine_prefill_staged(params, tokens, lengths, config: ModelConfig, engine: EngineConfig, *, cache_size: int,
+                          forecast=None, infinigen=None, dtype=jnp.float32):
+    """`engine_prefill` up to the move to the host: (last logits, staged), staged a resident
+    system's final state or a `StagedOffload` for `engine_offload`. Between the two, a caller can
+    sample the first token and start its read, which then does not wait for the move."""
     check_lead_forecast(config, engine.selector, "the engine")
     bs = config.sparse.block_size
     cache_size = -(-cache_size // bs) * bs
@@ -186,8 +207,16 @@ def engine_prefill(params, tokens, lengths, config: ModelConfig, engine: EngineC
     l0, blocks, offloaded = _offload_layout(st, empty, jnp.full((len(off), b, kh, n_slots), -1, jnp.int32), bs=bs,
                                             offloaded=off)
     del empty  # its slices are the caches now
-    host = {n: host_pool(a) for n, a in blocks.items()}
-    return last, commit_to_params_device(OffloadState(l0, host, offloaded), params)
+    return last, StagedOffload(l0, blocks, offloaded, params)
+
+
+def engine_offload(staged):
+    """The state the decode steps take: a `StagedOffload`'s blocks moved into host pools
+    (`host_pool`, asynchronous: the first step waits for them); any other state as it is."""
+    if not isinstance(staged, StagedOffload):
+        return staged
+    host = {n: host_pool(a) for n, a in staged.blocks.items()}
+    return commit_to_params_device(OffloadState(staged.layer0, host, staged.layers), staged.params)
 
 
 @stored_jit(static_argnames=("bs", "offloaded"))

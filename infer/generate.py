@@ -111,13 +111,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
         tokens[i, : len(p)] = p
     run = dict(forecast=forecast, infinigen=infinigen, dtype=dtype)
     if engine is not None:
-        from .engine import EngineConfig, engine_decode_step, engine_prefill
+        from .engine import EngineConfig, engine_decode_step, engine_offload, engine_prefill_staged
 
         if not isinstance(engine, EngineConfig):
             raise TypeError(f"engine must be an EngineConfig, got {type(engine).__name__}")
         # prefill and engine_prefill hand back committed states: the decode step compiles once
-        logits, state = engine_prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
-                                       cache_size=cache_size, **run)
+        logits, state = engine_prefill_staged(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
+                                              cache_size=cache_size, **run)
 
         def step_fn(params, tok, pos, state, config):
             return engine_decode_step(params, tok, pos, state, config, engine, **run)
@@ -138,6 +138,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     counts = []  # each step's device counters, read once at the end
     key, sub = jax.random.split(key)
     nxt = sample_next(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p)
+    if engine is not None:
+        # the first token's read is started before the KV's move to the host, so that the token
+        # is shown without waiting for the move (the first decode step waits for it instead)
+        from .engine import engine_offload
+
+        nxt.copy_to_host_async()
+        state = engine_offload(state)
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
                                   steps_per_call, on_step, return_stats, run, engine)

@@ -404,21 +404,28 @@ def test_host_pool_refuses_a_pinned_host_array_that_cuda_places_elsewhere(monkey
 
     x = jax.random.normal(jax.random.key(2), (8, 64), jnp.float32)
     seen = []
+    monkeypatch.setattr(engine, "_PINNED_CHECKED", set())
     monkeypatch.setattr(cuda, "on_cuda", lambda dev: True)
     monkeypatch.setattr(cuda, "memory_type", lambda a: seen.append(a.sharding.memory_kind) or "device")
-    with pytest.raises(RuntimeError, match="places it in device memory"):
-        engine.host_pool(x)
-    assert seen == ["pinned_host"]
-    monkeypatch.setattr(cuda, "memory_type", lambda a: "host")
+    for _ in range(2):  # a refusal is not remembered: asked again
+        with pytest.raises(RuntimeError, match="places it in device memory"):
+            engine.host_pool(x)
+    assert seen == ["pinned_host"] * 2
+    monkeypatch.setattr(cuda, "memory_type", lambda a: seen.append(a.sharding.memory_kind) or "host")
     out = engine.host_pool(x)
     assert out.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x))
+    engine.host_pool(x)  # the device's pools were found in host memory: not asked again
+    assert seen == ["pinned_host"] * 3
+
     def no_nvcc(a):
         raise RuntimeError("nvcc not found")
 
+    engine._PINNED_CHECKED.clear()
     monkeypatch.setattr(cuda, "memory_type", no_nvcc)  # cannot ask: a warning, not a stop
-    with pytest.warns(UserWarning, match="placement was not checked"):
-        engine.host_pool(x)
+    for _ in range(2):  # and asked again next time
+        with pytest.warns(UserWarning, match="placement was not checked"):
+            engine.host_pool(x)
     monkeypatch.setattr(cuda, "memory_type", lambda a: pytest.fail("queried an empty pool"))
     assert engine.host_pool(x[:0]).size == 0  # no buffer address to ask about (a 1-layer model's pool)
     monkeypatch.setattr(cuda, "on_cuda", lambda dev: False)  # CPU: nothing to ask CUDA

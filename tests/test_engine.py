@@ -384,6 +384,36 @@ def test_generation_through_the_engine_matches_resident(setup):
     assert stats["steps"] == 39 and 0 < stats["copied_blocks"] < stats["selected_blocks"]
 
 
+def test_generation_samples_the_first_token_before_the_kv_moves_to_the_host(setup, monkeypatch):
+    """generate runs the prefill up to the host move (`engine_prefill_staged`), samples the first
+    token, then moves the KV (`engine_offload`): the token's read does not queue behind the move.
+    The two halves give `engine_prefill`'s state; a resident system has nothing to move."""
+    from sparda_jax.infer import engine as E
+    from sparda_jax.infer import generate as G
+
+    params, forecast, _ = setup
+    events, sample, pool = [], G.sample_next, E.host_pool
+    monkeypatch.setattr(G, "sample_next", lambda *a, **kw: events.append("sample") or sample(*a, **kw))
+    monkeypatch.setattr(E, "host_pool", lambda x: events.append("host") or pool(x))
+    prompts = [list(range(1, 80))]
+    out = G.generate(params, TINY, prompts, G.SamplingConfig(max_new_tokens=3), engine=EngineConfig("sparda"),
+                     forecast=forecast)
+    assert events[:3] == ["sample", "host", "host"], events  # K's and V's pools after the first token
+    assert out == G.generate(params, TINY, prompts, G.SamplingConfig(max_new_tokens=3), mode="sparda", forecast=forecast)
+    tokens, lengths = jnp.asarray([list(range(1, 80))]), jnp.array([79])
+    for system in ("sparda", "dense_resident"):
+        eng = EngineConfig(system)
+        last, staged = E.engine_prefill_staged(params, tokens, lengths, TINY, eng, cache_size=96, forecast=forecast)
+        assert isinstance(staged, E.StagedOffload) == (system == "sparda")
+        two = E.engine_offload(staged)
+        one_last, one = engine_prefill(params, tokens, lengths, TINY, eng, cache_size=96, forecast=forecast)
+        np.testing.assert_array_equal(np.asarray(last), np.asarray(one_last))
+        assert jax.tree.structure(two) == jax.tree.structure(one)
+        for a, b in zip(jax.tree.leaves(two), jax.tree.leaves(one)):
+            assert a.sharding.memory_kind == b.sharding.memory_kind
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_generation_sizes_the_cache_in_whole_blocks(setup, monkeypatch):
     """generate's cache holds whole blocks (the compiled decode kernel takes no partial one): a
     20-token prompt (padded to 64) + 5 new tokens gets 80 positions with TINY's 16-token blocks."""

@@ -171,12 +171,14 @@ def host_pool(x, device=None) -> jax.Array:
     the buffer is checked to be page-locked host memory (`memory_type`): XLA's VMM allocator
     (forced by its command-buffer update modes other than ALWAYS_UPDATE) can place pinned_host
     arrays in device memory, and the copy would then be no offload. Raises RuntimeError if so;
-    without nvcc the check is skipped with a warning."""
+    without nvcc the check is skipped with a warning. The allocator is the process's, so a device
+    whose pool was found in host memory is not asked again: asking waits for the buffer, and so
+    for the move, which would hold up a caller that does not need the pool yet."""
     dev = jax.devices()[0] if device is None else device
     kinds = {m.kind for m in dev.addressable_memories()}
     sharding = SingleDeviceSharding(dev, memory_kind="pinned_host" if "pinned_host" in kinds else None)
     out = jax.device_put(x, sharding)
-    if out.size == 0 or sharding.memory_kind != "pinned_host" or not cuda.on_cuda(dev):
+    if out.size == 0 or sharding.memory_kind != "pinned_host" or not cuda.on_cuda(dev) or dev in _PINNED_CHECKED:
         return out  # an empty buffer may have no address; off CUDA there is nothing to ask
     try:
         where = cuda.memory_type(out)
@@ -189,7 +191,11 @@ def host_pool(x, device=None) -> jax.Array:
             f"the host pool asked for pinned_host memory but CUDA places it in {where} memory, so the offload "
             "would not offload. XLA's VMM allocator, which --xla_gpu_command_buffer_update_mode other than "
             "ALWAYS_UPDATE forces (XLA_FLAGS), does this: run without that flag")
+    _PINNED_CHECKED.add(dev)
     return out
+
+
+_PINNED_CHECKED: set = set()  # devices whose pinned_host buffers CUDA placed in host memory (`host_pool`)
 
 
 def unaliased_copies(implementation: str | None = None, *, reset: bool = False) -> tuple[int, int]:

@@ -281,7 +281,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
              "steady_tokens_per_s": "tokens of all sequences per second over the full-size decode calls after the "
                                     "first (infer.timing.DecodeTiming): batch x steady_steps / steady_s",
              "prefill_s": f"the median of {WARM_REPEATS} more generates on the same prompts, each up to its first "
-                          "token read (nothing compiles); prefill_s_samples: each",
+                          "token read (nothing compiles; an offload system moves the KV to the host after that "
+                          "token, in its first decode call); prefill_s_samples: each",
              "first_call_s": "cold_prefill_s + first_decode_s: the first generate's prefill and its first decode "
                              "call (compiles, the copy library's build, first_call_steps steps)",
              "stamps_s": "the first generate's token reads, seconds from its start ([0]: the prompt's token)",

@@ -116,15 +116,13 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
         if not isinstance(engine, EngineConfig):
             raise TypeError(f"engine must be an EngineConfig, got {type(engine).__name__}")
         # prefill and engine_prefill hand back committed states: the decode step compiles once
-        logits, state = engine_prefill_staged(params, jnp.asarray(tokens), jnp.asarray(lengths), config, engine,
-                                              cache_size=cache_size, **run)
+        logits, state = engine_prefill_staged(params, tokens, lengths, config, engine, cache_size=cache_size, **run)
 
         def step_fn(params, tok, pos, state, config):
             return engine_decode_step(params, tok, pos, state, config, engine, **run)
     else:
         run.update(mode=mode, implementations=implementations)
-        logits, state = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), config, cache_size=cache_size,
-                                **run)
+        logits, state = prefill(params, tokens, lengths, config, cache_size=cache_size, **run)
 
         def step_fn(*args, **kw):
             lg, st = decode_step(*args, **run, **kw)
@@ -138,21 +136,18 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     counts = []  # each step's device counters, read once at the end
     key, sub = jax.random.split(key)
     nxt = sample_next(logits, sub, temperature=sampling.temperature, top_p=sampling.top_p)
+    # the prompt's token is read (and streamed) before the KV moves to the host and before the
+    # first decode step is dispatched: the first token waits for neither, nor for that step's compile
+    _record(nxt, out, done, stop)
+    if on_step is not None:
+        on_step(out)
     if engine is not None:
-        # the first token's read is started before the KV's move to the host, so that the token
-        # is shown without waiting for the move (the first decode step waits for it instead)
         from .engine import engine_offload
 
-        nxt.copy_to_host_async()
         state = engine_offload(state)
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
                                   steps_per_call, on_step, return_stats, run, engine)
-    # the prompt's token is read (and streamed) before the first decode step is dispatched, so
-    # that step's compile counts after it: the first token does not wait for it
-    _record(nxt, out, done, stop)
-    if on_step is not None:
-        on_step(out)
     for step in range(sampling.max_new_tokens):
         if done.all():
             break
@@ -223,13 +218,11 @@ def _record(tokens, out, done, stop) -> None:
 
 def _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling, per_call,
                        on_step, return_stats, run, engine):
-    """`generate`'s decode loop with `per_call` steps a device program: a step counts (and its
-    token is read) as in the one-step loop, only while some sequence still runs."""
+    """`generate`'s decode loop with `per_call` steps a device program, after the prompt's token
+    is recorded: a step counts (and its token is read) as in the one-step loop, only while some
+    sequence still runs."""
     from .engine import engine_generate_steps
 
-    _record(nxt, out, done, stop)
-    if on_step is not None:
-        on_step(out)
     remaining = sampling.max_new_tokens - 1
     while remaining > 0 and not done.all():
         n = min(per_call, remaining)

@@ -146,6 +146,11 @@ def _forward(params, tokens, forecast, infinigen, *, plan: Plan, return_kv: bool
     return (unembed(params, x, c) if return_logits else None), aux
 
 
+def _int32(x):
+    """x as int32, on the host when it is there (a device op would be a program of its own)."""
+    return x.astype(jnp.int32) if isinstance(x, jax.Array) else np.asarray(x, np.int32)
+
+
 def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", forecast=None, infinigen=None,
             dtype=jnp.float32, implementations: Implementations = Implementations(), return_kv: bool = False,
             return_q: bool = False, collect_selection: bool = False, tap=None, return_logits: bool = True,
@@ -166,13 +171,15 @@ def forward(params, tokens, config: ModelConfig, *, mode: Mode = "dense", foreca
     """
     _validate(config, mode, forecast, infinigen, implementations)
     check_layers(params, config)
-    tokens = jnp.asarray(tokens)
+    # host tokens stay host arrays: checked with NumPy and sent with the program's call, not
+    # reduced on the device and read back before the prefill can start
+    tokens = tokens if isinstance(tokens, jax.Array) else np.asarray(tokens)
     check_tokens(tokens, None, config.vocab_size)
     dense = mode == "dense" or tokens.shape[1] < config.sparse.dense_len
     plan = Plan(config, mode, dense, jnp.dtype(dtype), implementations, collect_selection and not dense)
     logits, aux = _forward(params, tokens, forecast, infinigen, plan=plan, return_kv=return_kv,
                            return_q=return_q, tap=tap, return_logits=return_logits,
-                           logits_at=None if logits_at is None else jnp.asarray(logits_at, jnp.int32))
+                           logits_at=None if logits_at is None else _int32(logits_at))
     if return_kv or return_q or collect_selection or tap is not None:
         return logits, aux
     return logits
@@ -225,7 +232,7 @@ def prefill(params, tokens, lengths, config: ModelConfig, *, cache_size: int, mo
     """
     if cache_size < tokens.shape[1]:
         raise ValueError(f"cache_size ({cache_size}) < prompt length ({tokens.shape[1]})")
-    lengths = jnp.asarray(lengths, jnp.int32)
+    lengths = _int32(lengths)
     logits, aux = forward(params, tokens, config, mode=mode, forecast=forecast, infinigen=infinigen, dtype=dtype,
                           implementations=implementations, return_kv=True, logits_at=(lengths - 1)[:, None])
     state = _build_state(aux=aux, lengths=lengths, infinigen=infinigen if mode == "infinigen" else None,

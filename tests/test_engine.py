@@ -386,8 +386,8 @@ def test_generation_through_the_engine_matches_resident(setup):
 
 def test_generation_samples_the_first_token_before_the_kv_moves_to_the_host(setup, monkeypatch):
     """generate runs the prefill up to the host move (`engine_prefill_staged`), samples the first
-    token, then moves the KV (`engine_offload`): the token's read does not queue behind the move.
-    The two halves give `engine_prefill`'s state; a resident system has nothing to move."""
+    token and streams it, then moves the KV (`engine_offload`): the first token waits for no
+    move. The two halves give `engine_prefill`'s state; a resident system has nothing to move."""
     from sparda_jax.infer import engine as E
     from sparda_jax.infer import generate as G
 
@@ -396,10 +396,14 @@ def test_generation_samples_the_first_token_before_the_kv_moves_to_the_host(setu
     monkeypatch.setattr(G, "sample_next", lambda *a, **kw: events.append("sample") or sample(*a, **kw))
     monkeypatch.setattr(E, "host_pool", lambda x: events.append("host") or pool(x))
     prompts = [list(range(1, 80))]
-    out = G.generate(params, TINY, prompts, G.SamplingConfig(max_new_tokens=3), engine=EngineConfig("sparda"),
-                     forecast=forecast)
-    assert events[:3] == ["sample", "host", "host"], events  # K's and V's pools after the first token
-    assert out == G.generate(params, TINY, prompts, G.SamplingConfig(max_new_tokens=3), mode="sparda", forecast=forecast)
+    for k in (1, 2):  # the one-step loop and calls of k steps
+        events.clear()
+        out = G.generate(params, TINY, prompts, G.SamplingConfig(max_new_tokens=3), engine=EngineConfig("sparda"),
+                         forecast=forecast, steps_per_call=k, on_step=lambda o: events.append(f"token {len(o[0])}"))
+        # K's and V's pools after the first token is shown
+        assert events[:4] == ["sample", "token 1", "host", "host"], events
+        assert out == G.generate(params, TINY, prompts, G.SamplingConfig(max_new_tokens=3), mode="sparda",
+                                 forecast=forecast)
     tokens, lengths = jnp.asarray([list(range(1, 80))]), jnp.array([79])
     for system in ("sparda", "dense_resident"):
         eng = EngineConfig(system)

@@ -291,3 +291,27 @@ def test_layered_sparse_decode_copies_no_kv_buffer(tiny):
 
     assert big_moves(stacked), "the stacked scan no longer moves K/V: this test needs a new witness"
     assert big_moves(layered_state(stacked)) == []
+
+
+def test_prefill_checks_host_prompts_on_the_host(tiny, monkeypatch):
+    """Prompts given as NumPy arrays are checked with NumPy: no device reduction is read back
+    before the prefill's program is dispatched (a round trip that delayed every first token).
+    Prompts on the device are still checked there; both give the same prefill."""
+    import sparda_jax.model as M
+
+    c, (params, forecast, _) = TINY, tiny
+    seen, check = [], M.check_token_ids
+    monkeypatch.setattr(M, "check_token_ids", lambda ids, v: seen.append(type(ids)) or check(ids, v))
+    tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 80), 0, c.vocab_size))
+    lengths = np.array([80, 61], np.int32)
+    last, _ = prefill(params, tokens, lengths, c, cache_size=96, mode="sparda", forecast=forecast)
+    assert seen == [np.ndarray]
+    ref, _ = prefill(params, jnp.asarray(tokens), jnp.asarray(lengths), c, cache_size=96, mode="sparda",
+                     forecast=forecast)
+    assert len(seen) == 2 and issubclass(seen[1], jax.Array)
+    np.testing.assert_array_equal(np.asarray(last), np.asarray(ref))
+    bad = tokens.copy()
+    bad[1, 3] = c.vocab_size
+    for given in (bad, jnp.asarray(bad)):
+        with pytest.raises(ValueError, match=str(c.vocab_size)):
+            prefill(params, given, lengths, c, cache_size=96, mode="sparda", forecast=forecast)

@@ -313,14 +313,14 @@ def test_generate_clamps_the_budget_to_the_cache(monkeypatch):
     from sparda_jax.infer.generate import generate
 
     seen = []
-    real = engine_mod.engine_prefill
+    real = engine_mod.engine_prefill_staged
 
     def spy(params, tokens, lengths, config, engine, **kw):
         seen.append((config.sparse.topk, kw["cache_size"]))
         assert config.sparse.topk <= 64, "unclamped budget"  # fail before allocating for it
         return real(params, tokens, lengths, config, engine, **kw)
 
-    monkeypatch.setattr(engine_mod, "engine_prefill", spy)
+    monkeypatch.setattr(engine_mod, "engine_prefill_staged", spy)
     with_topk = lambda k: TINY.replace(sparse=dataclasses.replace(TINY.sparse, topk=k))
     prompt = [list(np.random.default_rng(1).integers(1, 256, 38))]
     sampling = SamplingConfig(max_new_tokens=8)

@@ -74,41 +74,6 @@ def test_meta_is_the_union_of_the_tile(tt):
         np.testing.assert_array_equal(meta.ubits[bi, h, i, :len(u)], np.array(bits, np.uint32).view(np.int32))
 
 
-@pytest.mark.parametrize("tt", [4, 16, 32])
-def test_meta_by_bitmap_equals_meta_by_sort(tt):
-    """The two ways to the union (`build_prefill_meta` picks by size) against the NumPy union and
-    each other: any order, repeats, -1 and ids past n_blocks, an empty tile, bit 31 (tt = 32)."""
-    from sparda_jax.ops.sparse_attention import prefill as P
-
-    rng = np.random.default_rng(100 + tt)
-    b, kh, t, n, nb = 2, 3, 128, 5, 9
-    ids = rng.integers(-1, nb + 3, (b, kh, t, n)).astype(np.int32)
-    ids[1, 2, :tt] = -1
-    ids[0, 1, :tt] = 4                                                # one block, every token: all bits
-    by_map = jax.jit(P._meta_by_bitmap, static_argnums=(1, 2))(jnp.asarray(ids), tt, nb)
-    by_sort = P._meta_by_sort(jnp.asarray(ids), tt, nb)
-    for x, y in zip(by_map, by_sort):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-    kept = np.where(ids < nb, ids, -1)
-    for (bi, h, i), u, bits in _numpy_union(kept, tt):
-        assert int(by_map.n_union[bi, h, i]) == len(u)
-        np.testing.assert_array_equal(by_map.uids[bi, h, i, :len(u)], u)
-        assert (np.asarray(by_map.uids[bi, h, i, len(u):]) == -1).all()
-        assert (np.asarray(by_map.ubits[bi, h, i, len(u):]) == 0).all()
-        np.testing.assert_array_equal(by_map.ubits[bi, h, i, :len(u)], np.array(bits, np.uint32).view(np.int32))
-    picked = []
-    for small in (True, False):  # the size rule: the bitmap up to BITMAP_MAX compares, the sort past it
-        mp = pytest.MonkeyPatch()
-        mp.setattr(P, "BITMAP_MAX", t * n * nb if small else t * n * nb - 1)
-        mp.setattr(P, "_meta_by_bitmap", lambda *a: picked.append("bitmap") or by_map)
-        mp.setattr(P, "_meta_by_sort", lambda *a: picked.append("sort") or by_sort)
-        P.build_prefill_meta(jnp.asarray(ids), tt, nb)
-        mp.undo()
-    P_none = P.build_prefill_meta  # without n_blocks the bitmap has no width: the sort
-    assert picked == ["bitmap", "sort"]
-    np.testing.assert_array_equal(np.asarray(P_none(jnp.asarray(kept), tt).uids), np.asarray(by_map.uids))
-
-
 def test_meta_drops_out_of_range_blocks():
     ids = jnp.asarray([[[[0, 5], [2, 9]] * 2]], jnp.int32)       # [1, 1, 4, 2]; blocks >= 4 do not exist
     meta = build_prefill_meta(ids, 4, n_blocks=4)

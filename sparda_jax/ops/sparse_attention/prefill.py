@@ -8,9 +8,8 @@ optional per-key logit bias (NOSA's cis). Design:
   Gp = a power of two >= max(G, 4) (G=3 -> 4: 25% idle rows; wgmma wants 64-row tiles and a
   token must not straddle two of them). A CTA tile is one warpgroup of 64 rows: 64//Gp tokens x
   Gp heads.
-- **Union.** A tile walks the UNION of its tokens' block lists (`build_prefill_meta`, XLA: a
-  bitmap of blocks per tile, or for long prompts one sort + segment ops, like splash attention's
-  MaskInfo); each union entry carries an int32 of
+- **Union.** A tile walks the UNION of its tokens' block lists (`build_prefill_meta`, XLA: one
+  sort + segment ops, like splash attention's MaskInfo); each union entry carries an int32 of
   selection bits (bit i: token i of the tile picked the block), so the mask is built in
   registers from two scalars and an iota, never read from memory.
 - **Pipeline.** K/V (and the bias) of the next union block are double-buffered by TMA in a
@@ -37,7 +36,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from sparda_jax.ops._dispatch import lowered_once
 
-__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "build_prefill_meta", "BITMAP_MAX",
+__all__ = ["sparse_prefill_attention", "sparse_prefill_attention_reference", "build_prefill_meta",
            "PrefillMeta", "union_stats", "tile_tokens_for", "padded_group", "INTERPRET"]
 
 # Interpret mode (CPU). It does not support wgmma with A from registers nor in-place
@@ -81,48 +80,13 @@ class PrefillMeta(NamedTuple):
     n_union: jax.Array
 
 
-# the bitmap union compares every (token, selected id) with every block: T * n * n_blocks per
-# (batch, KV head); up to this size a few fused reductions beat the sort path's sort, cumsum and
-# scatters (docs/decisions.md, "The prefill's union by bitmap")
-BITMAP_MAX = 1 << 26
-
-
 def build_prefill_meta(block_ids, tile_tokens: int, n_blocks: int | None = None) -> PrefillMeta:
     """block_ids int [B, K, T, n] (-1 = none; any order, repeats allowed) -> PrefillMeta.
     T must be a multiple of tile_tokens (<= 32: one int32 of bits). Ids >= n_blocks (when
-    given) or < 0 are dropped: they select no key. Two equal computations: a bitmap of
-    blocks per tile where n_blocks is given and T * n * n_blocks <= `BITMAP_MAX`, else a sort."""
+    given) or < 0 are dropped: they select no key."""
     b, kh, t, n = block_ids.shape
     if t % tile_tokens or not 1 <= tile_tokens <= 32:
         raise ValueError(f"T ({t}) must be a multiple of tile_tokens ({tile_tokens}), which must be <= 32")
-    if n_blocks is not None and t * n * n_blocks <= BITMAP_MAX:
-        return _meta_by_bitmap(block_ids, tile_tokens, n_blocks)
-    return _meta_by_sort(block_ids, tile_tokens, n_blocks)
-
-
-def _meta_by_bitmap(block_ids, tile_tokens: int, n_blocks: int) -> PrefillMeta:
-    """`build_prefill_meta` through each tile's bits per block: bits[blk] = OR over the tile's
-    tokens i that selected blk of 1 << i (repeats OR the same bit); the union is the blocks
-    with bits, ascending: entry u is the block where the running count of such blocks passes u."""
-    b, kh, t, n = block_ids.shape
-    nt, u = t // tile_tokens, tile_tokens * n
-    ids = block_ids.astype(jnp.int32).reshape(b, kh, nt, tile_tokens, n, 1)
-    blk = lax.broadcasted_iota(jnp.int32, (1, 1, 1, 1, 1, n_blocks), 5)
-    tok = lax.broadcasted_iota(jnp.int32, (1, 1, 1, tile_tokens, 1, 1), 3)
-    bit = jnp.where(ids == blk, jnp.left_shift(jnp.int32(1), tok), 0)  # ids < 0 or >= n_blocks: no block
-    bits = lax.reduce(bit, jnp.int32(0), lax.bitwise_or, (3, 4))         # [B, K, NT, n_blocks]
-    count = jnp.cumsum((bits != 0).astype(jnp.int32), axis=-1)           # union blocks up to each block
-    n_union = count[..., -1]
-    entry = lax.broadcasted_iota(jnp.int32, (1, 1, 1, u), 3)
-    uid = jnp.sum((count[..., None, :] <= entry[..., None]).astype(jnp.int32), axis=-1)  # [B, K, NT, U]
-    valid = entry < n_union[..., None]
-    ubit = jnp.take_along_axis(bits, jnp.minimum(uid, n_blocks - 1), axis=-1)
-    return PrefillMeta(jnp.where(valid, uid, -1), jnp.where(valid, ubit, 0), n_union)
-
-
-def _meta_by_sort(block_ids, tile_tokens: int, n_blocks: int | None) -> PrefillMeta:
-    """`build_prefill_meta` by one sort of the tile's (block, token) pairs and segment ops."""
-    b, kh, t, n = block_ids.shape
     nt, u = t // tile_tokens, tile_tokens * n
     ids = block_ids.astype(jnp.int32).reshape(b, kh, nt, tile_tokens, n)
     ok = ids >= 0

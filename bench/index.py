@@ -100,7 +100,19 @@ FILES = {
     "profiles/decode_profile_8517789.json": "3 traced steps a row at 8517789 (trace kept beside it)",
     "profiles/layer_breakdown_2e96975.json": "a decode layer's kernel time by kind, 16-layer doorbell trace",
     "profiles/layer_breakdown_sparse_a3cd03f.json": "the same for the synchronous Sparse trace",
-    "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's targets at 4K batch 1)",
+    "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1, every system, once the first token is read before the "
+                                "KV's move to the host and host prompts are checked on the host (issue 28's targets "
+                                "at 4K batch 1)",
+    "realmodel/token_before_move.json": "0c2fd73, 4K batch 1, every system, --profile-prefill: the first token read "
+                                        "before the KV's move to the host, the prompt still checked on the device",
+    "realmodel/decode_profile.json": "4K batch 1, Dense+, Sparse, SparDA with --profile-decode and --profile-prefill: "
+                                     "the steady decode step's kernels and launches (what the decode ratio is made of)",
+    "realmodel/union_bitmap.json": "c9ab740, 4K batch 1, every system, with the prefill's per-tile union built from a "
+                                   "bitmap instead of a sort: no change above the run-to-run spread (reverted; "
+                                   "decision: the prefill's union)",
+    "realmodel/host_offload_probe.json": "the probe's answer: placing each layer's output in pinned host memory "
+                                         "inside a 30-layer scan adds to the scan rather than hiding under it "
+                                         "(decision: the first token before the KV's move)",
     "realmodel/prefill_d64.json": "SmolLM2 at 4K batch 1 after head dim 64 prefill went to the compiled Mosaic kernel: Dense+, Sparse, SparDA",
     "realmodel/select_d64.json": "the same three after head dim 64 prefill selection went to the compiled Mosaic "
                                  "selectors too (uncommitted tree at cbdd6d3: the api.py gate opened)",
@@ -135,8 +147,7 @@ FILES = {
                                             "H100: what the sparse-native preset's users get",
     "realmodel/h100_repeat.json": "the base model right after sparse_native_dense18.json on the same H100: its "
                                   "baseline, and one more sample of the 4K decode ratio (0.44)",
-    "realmodel/host_offload_probe.py": "a probe for the 4K prefill's KV move (not yet run on a GPU): does each layer's "
-                                        "KV reach pinned host memory inside the scan while later layers compute?",
+    "realmodel/host_offload_probe.py": "the script of host_offload_probe.json",
     "select/select_smollm2_4k8k.json": "the four selectors at SmolLM2's shapes (3 KV heads, head dim 64), 4K and 8K, "
                                        "batch 1, prefill",
     "select/topk_rows_sweep.json": "the Mosaic top-k's rows per CTA at SmolLM2's prefill shapes beside XLA's "

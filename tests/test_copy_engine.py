@@ -132,6 +132,7 @@ def test_errors():
         gather_blocks_start(pools[0], src, dst, caches[0], lane=4, implementation="xla")
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the CPU's dispatch (the GPU's is tested below)")
 def test_dispatch_on_the_cpu():
     """None takes the first of the default order this platform runs: on the CPU that is the
     reference; "cuda" cannot run here and says so with NotImplementedError."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 from .ops.block_select import (compress_cis, finalize_topk, forecast_chunk_scores, infinigen_chunk_scores,
                                infllmv2_chunk_scores, n_blocks_for, nosa_refine, pool_to_blocks,
                                select_blocks_forecast, select_blocks_forecast_reference, select_blocks_infinigen,
+                               select_blocks_infinigen_reference,
                                select_blocks_infllmv2, select_blocks_infllmv2_reference, select_blocks_nosa)
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "select_blocks_nosa",
     "nosa_refine",
     "select_blocks_infinigen",
+    "select_blocks_infinigen_reference",
     "infinigen_chunk_scores",
     "compress_cis",
 ]

@@ -1,4 +1,4 @@
-"""Block selection with one `implementation=` argument (InfLLM-V2 and Forecast selectors).
+"""Block selection with one `implementation=` argument (InfLLM-V2, Forecast and InfiniGen selectors).
 
 Backends:
   "xla"                  the jnp reference (`reference.py`; any platform, coarse LSE allowed);
@@ -9,7 +9,9 @@ Backends:
   "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
                          any head dim that is a multiple of 64.
 Default order: prefill (Tq > 1) "mosaic_gpu", "xla"; decode (Tq == 1) "xla" alone, the faster
-there. A Mosaic backend raises NotImplementedError for inputs outside its envelope.
+there. InfiniGen's Mosaic selector (`infinigen_mgpu.py`: partial dims <= 64, 64-token blocks) is
+taken only when asked for by name until its compiled test has run on a GPU. A Mosaic backend
+raises NotImplementedError for inputs outside its envelope.
 """
 
 from __future__ import annotations
@@ -23,13 +25,14 @@ from sparda_jax.config import SparseConfig
 
 from .._dispatch import Registry, hopper_gpu, interpret_params
 from .reference import (_check, _check_forecast, _check_sparse, check_infllmv2, n_blocks_for, nosa_refine, select_blocks_forecast_reference,
-                        select_blocks_infllmv2_reference)
+                        select_blocks_infinigen_reference, select_blocks_infllmv2_reference)
 
-__all__ = ["select_blocks_infllmv2", "select_blocks_forecast", "select_blocks_nosa", "INFLLMV2_BACKENDS",
-           "FORECAST_BACKENDS", "default_order", "MOSAIC_MAX_BLOCKS"]
+__all__ = ["select_blocks_infllmv2", "select_blocks_forecast", "select_blocks_nosa", "select_blocks_infinigen",
+           "INFLLMV2_BACKENDS", "FORECAST_BACKENDS", "INFINIGEN_BACKENDS", "default_order", "MOSAIC_MAX_BLOCKS"]
 
 INFLLMV2_BACKENDS = Registry("select")
 FORECAST_BACKENDS = Registry("select")
+INFINIGEN_BACKENDS = Registry("select")
 MOSAIC_MAX_BLOCKS = 2048  # the kernels' top-k row (128K tokens of 64-token blocks)
 
 
@@ -87,9 +90,35 @@ def _forecast_mosaic(implementation):
     return run
 
 
+@INFINIGEN_BACKENDS.register("xla")
+def _infinigen_xla(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk):
+    return select_blocks_infinigen_reference(qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=n_blocks,
+                                             q_chunk=q_chunk)
+
+
+def _infinigen_mosaic(implementation):
+    def run(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk):
+        from .infinigen_mgpu import PARTIAL_DIM, infinigen_select
+
+        if implementation == "mosaic_gpu" and not hopper_gpu():
+            raise NotImplementedError("the Mosaic GPU selectors need a Hopper GPU")
+        if qp.dtype not in (jnp.bfloat16, jnp.float16):
+            raise NotImplementedError(f"the Mosaic GPU selectors take bf16/f16, got {qp.dtype}")
+        if qp.shape[-1] > PARTIAL_DIM or sparse.block_size != 64:
+            raise NotImplementedError(f"the Mosaic GPU InfiniGen selector takes <= {PARTIAL_DIM} partial dims and "
+                                      f"64-token blocks, got {qp.shape[-1]} and {sparse.block_size}")
+        if n_blocks > MOSAIC_MAX_BLOCKS:
+            raise NotImplementedError(f"the Mosaic GPU top-k takes rows of <= {MOSAIC_MAX_BLOCKS} blocks, got {n_blocks}")
+        qp, pk = jax.lax.stop_gradient((qp, pk))  # the block choice carries no gradient; the kernel has no JVP
+        return infinigen_select(qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=n_blocks,
+                                interpret=interpret_params(implementation))
+    return run
+
+
 for _name in ("mosaic_gpu", "mosaic_gpu_interpret"):
     INFLLMV2_BACKENDS.register(_name)(_infllmv2_mosaic(_name))
     FORECAST_BACKENDS.register(_name)(_forecast_mosaic(_name))
+    INFINIGEN_BACKENDS.register(_name)(_infinigen_mosaic(_name))
 
 
 def select_blocks_infllmv2(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
@@ -133,3 +162,15 @@ def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blo
     qk_ids = select_blocks_infllmv2(q, kc, q_positions, stage1, n_blocks=nb, q_chunk=q_chunk,
                                     implementation=implementation)
     return nosa_refine(qk_ids, cis_c, q_positions, sparse, n_blocks=nb, q_chunk=q_chunk)
+
+
+def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int, n_blocks: int | None = None,
+                            q_chunk: int = 64, implementation: str | None = None) -> jax.Array:
+    """InfiniGen's selection from speculated token scores. qp [B, Tq, H, r] partial queries, pk
+    [B, S, K, r] partial keys, q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk]
+    (`reference.infinigen_chunk_scores`). The Mosaic kernel scores in qp's dtype, which must be
+    bf16/f16. implementation: see the module docstring (None: "xla")."""
+    _check_sparse(sparse)
+    nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
+    return INFINIGEN_BACKENDS(implementation, ("xla",), qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=nb,
+                              q_chunk=q_chunk)

@@ -39,7 +39,7 @@ __all__ = [
     "select_blocks_forecast_reference",
     "nosa_refine",
     "infinigen_chunk_scores",
-    "select_blocks_infinigen",
+    "select_blocks_infinigen_reference",
     "compress_cis",
 ]
 
@@ -276,8 +276,8 @@ def infinigen_chunk_scores(qp, pk, q_positions, sparse: SparseConfig, n_blocks: 
     return jnp.max(tok.reshape(b, kh, tq, n_blocks, sparse.block_size), axis=-1)
 
 
-def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int,
-                            n_blocks: int | None = None, q_chunk: int = 64) -> jax.Array:
+def select_blocks_infinigen_reference(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int,
+                                      n_blocks: int | None = None, q_chunk: int = 64) -> jax.Array:
     """Top-k blocks from InfiniGen's speculated token scores (see `infinigen_chunk_scores`)."""
     nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
 

@@ -41,13 +41,15 @@ def default_order(x) -> tuple[str, ...]:
     return ("mosaic_gpu", "xla") if x.shape[1] > 1 else ("xla",)
 
 
-def _mosaic_support(implementation, x, nb: int) -> None:
+def _mosaic_support(implementation, x, nb: int, *, head_dim: bool = True) -> None:
+    """NotImplementedError unless the Mosaic selectors can run x [..., D] with rows of nb blocks
+    here; head_dim False leaves D to the caller (InfiniGen's partial dims)."""
     if implementation == "mosaic_gpu" and not hopper_gpu():
         raise NotImplementedError("the Mosaic GPU selectors need a Hopper GPU")
     if x.dtype not in (jnp.bfloat16, jnp.float16):
         raise NotImplementedError(f"the Mosaic GPU selectors take bf16/f16, got {x.dtype}")
     d = x.shape[-1]
-    if not (d in (64, 128) if implementation == "mosaic_gpu" else d % 64 == 0):
+    if head_dim and not (d in (64, 128) if implementation == "mosaic_gpu" else d % 64 == 0):
         raise NotImplementedError(f"the Mosaic GPU selectors do not take head dim {d}")
     if nb > MOSAIC_MAX_BLOCKS:
         raise NotImplementedError(f"the Mosaic GPU top-k takes rows of <= {MOSAIC_MAX_BLOCKS} blocks, got {nb}")
@@ -100,15 +102,10 @@ def _infinigen_mosaic(implementation):
     def run(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk):
         from .infinigen_mgpu import PARTIAL_DIM, infinigen_select
 
-        if implementation == "mosaic_gpu" and not hopper_gpu():
-            raise NotImplementedError("the Mosaic GPU selectors need a Hopper GPU")
-        if qp.dtype not in (jnp.bfloat16, jnp.float16):
-            raise NotImplementedError(f"the Mosaic GPU selectors take bf16/f16, got {qp.dtype}")
+        _mosaic_support(implementation, qp, n_blocks, head_dim=False)
         if qp.shape[-1] > PARTIAL_DIM or sparse.block_size != 64:
             raise NotImplementedError(f"the Mosaic GPU InfiniGen selector takes <= {PARTIAL_DIM} partial dims and "
                                       f"64-token blocks, got {qp.shape[-1]} and {sparse.block_size}")
-        if n_blocks > MOSAIC_MAX_BLOCKS:
-            raise NotImplementedError(f"the Mosaic GPU top-k takes rows of <= {MOSAIC_MAX_BLOCKS} blocks, got {n_blocks}")
         qp, pk = jax.lax.stop_gradient((qp, pk))  # the block choice carries no gradient; the kernel has no JVP
         return infinigen_select(qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=n_blocks,
                                 interpret=interpret_params(implementation))

@@ -254,8 +254,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
     steps_per_call None: `default_steps_per_call(new_tokens)`. profile_prefill: each row's
     "prefill_profile", the summary of one more warm prefill under the profiler (device busy time,
     top kernels, host events: `bench.profile.summarize_trace`); profile_decode: each row's
-    "decode_profile", the same for the steady decode steps of one more warm generate. implementations: each op's
-    backend in every cell (None fields: the op picks; in config). Raises ValueError (`check_inputs`)
+    "decode_profile", the same for the steady decode steps of one more warm generate.
+    implementations: each op's backend in every cell (None fields: the op picks; in config). Raises ValueError (`check_inputs`)
     before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm
 
@@ -501,7 +501,8 @@ def main(args) -> int:
     r = bench_realmodel(model, systems=systems, contexts=contexts, batches=batches, new_tokens=args.new_tokens,
                         steps_per_call=args.steps_per_call, budget=budget, out=out,
                         command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill,
-                        profile_decode=args.profile_decode, implementations=Implementations(**dict(args.implementation or ())))
+                        profile_decode=args.profile_decode,
+                        implementations=Implementations(**dict(args.implementation or ())))
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])

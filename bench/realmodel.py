@@ -255,8 +255,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
     "prefill_profile", the summary of one more warm prefill under the profiler (device busy time,
     top kernels, host events: `bench.profile.summarize_trace`); profile_decode: each row's
     "decode_profile", the same for the steady decode steps of one more warm generate.
-    implementations: each op's backend in every cell (None fields: the op picks; in config). Raises ValueError (`check_inputs`)
-    before any work; a cell's own failure is its row's error."""
+    implementations: each op's backend in every cell (None fields: the op picks; in config).
+    Raises ValueError (`check_inputs`) before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm
 
     log = log or (lambda s: print(s, file=sys.stderr, flush=True))

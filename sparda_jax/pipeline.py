@@ -155,9 +155,9 @@ def select_blocks(plan: Plan, ctx: Ctx, lin: LayerIn, q, h, h_prev, keys: KeySid
         ids = select_blocks_forecast(sel_in, keys.kc, ctx.positions, stage1, n_blocks=ctx.n_blocks,
                                      implementation=impl)
     else:
-        # the partial queries in the model's dtype: a 16-bit model's may take the Mosaic selector
-        later = lambda: select_blocks_infinigen(sel_in.astype(plan.dtype), keys.pk, ctx.positions, stage1,
-                                                head_dim=c.head_dim, n_blocks=ctx.n_blocks, implementation=impl)
+        # a Mosaic selector scores in the model's 16-bit dtype; XLA's in f32
+        later = lambda: select_blocks_infinigen(sel_in, keys.pk, ctx.positions, stage1, head_dim=c.head_dim,
+                                                n_blocks=ctx.n_blocks, implementation=impl, kernel_dtype=plan.dtype)
         ids = own() if lin.first is True else later() if lin.first is False else jax.lax.cond(lin.first, own, later)
     if c.has_cis:
         ids = nosa_refine(ids, keys.cis_c, ctx.positions, c.sparse, n_blocks=ctx.n_blocks)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_base import INTERPRET, assert_ids_equal, gpu, lower_for_hopper
+from kernel_base import INTERPRET, assert_ids_equal, assert_same_up_to_near_ties, gpu, lower_for_hopper
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
@@ -116,20 +116,6 @@ def test_lowers_for_hopper_at_realistic_size():
     lower_for_hopper(functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=n_blocks_for(n, sp)), q, kc, pos)
 
 
-def _assert_same_up_to_near_ties(got, ref, scores, rtol):
-    """Rows may differ only by swapping blocks whose reference scores lie within rtol of the
-    row's k-th largest score: f32 sums in another order can reorder exact near-ties, nothing else."""
-    got, ref, scores = np.asarray(got), np.asarray(ref), np.asarray(scores)
-    bad = np.nonzero(np.any(got != ref, axis=-1))
-    for idx in zip(*bad):
-        row = scores[idx]
-        kth = np.sort(row)[::-1][ref.shape[-1] - 1]
-        diff = set(got[idx].tolist()) ^ set(ref[idx].tolist())
-        diff.discard(-1)
-        assert all(abs(row[i] - kth) <= rtol * abs(kth) for i in diff), (idx, sorted(diff), kth)
-    assert len(bad[0]) <= 1e-3 * np.prod(ref.shape[:-1])
-
-
 @gpu
 @pytest.mark.parametrize("t,kh,g,d,local,topk", [(16384, 2, 16, 128, 32, 96),   # minicpm4.1-8b's budget
                                                  (4096, 3, 3, 64, 8, 24)])      # SmolLM2-135M's layer
@@ -149,7 +135,7 @@ def test_compiled_matches_jnp_selector(t, kh, g, d, local, topk):
     cand = blk <= qblk
     forced = cand & ((blk < sp.init_blocks) | (blk >= qblk - sp.local_blocks))
     scores = jnp.where(forced, jnp.inf, jnp.where(cand, scores, -jnp.inf))   # as finalize_topk ranks them
-    _assert_same_up_to_near_ties(got, ref, scores, rtol=1e-5)
+    assert_same_up_to_near_ties(got, ref, scores, rtol=1e-5)
 
 
 @pytest.mark.parametrize("op", ["infllmv2", "forecast"])

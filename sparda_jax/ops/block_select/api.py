@@ -10,7 +10,8 @@ Backends:
                          any head dim that is a multiple of 64.
 Default order: prefill (Tq > 1) "mosaic_gpu", "xla"; decode (Tq == 1) "xla" alone, the faster
 there. InfiniGen's Mosaic selector (`infinigen_mgpu.py`: partial dims <= 64, 64-token blocks) is
-taken only when asked for by name until its compiled test has run on a GPU. A Mosaic backend
+taken only when asked for by name until its compiled test has run on a GPU (a name given for
+every selector, e.g. `Implementations(select="mosaic_gpu")`, takes it too). A Mosaic backend
 raises NotImplementedError for inputs outside its envelope.
 """
 
@@ -93,19 +94,21 @@ def _forecast_mosaic(implementation):
 
 
 @INFINIGEN_BACKENDS.register("xla")
-def _infinigen_xla(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk):
+def _infinigen_xla(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk, kernel_dtype):
     return select_blocks_infinigen_reference(qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=n_blocks,
                                              q_chunk=q_chunk)
 
 
 def _infinigen_mosaic(implementation):
-    def run(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk):
-        from .infinigen_mgpu import PARTIAL_DIM, infinigen_select
+    def run(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk, kernel_dtype):
+        from .infinigen_mgpu import MAX_GROUP, PARTIAL_DIM, infinigen_select
 
+        qp = qp if kernel_dtype is None else qp.astype(kernel_dtype)
         _mosaic_support(implementation, qp, n_blocks, head_dim=False)
-        if qp.shape[-1] > PARTIAL_DIM or sparse.block_size != 64:
-            raise NotImplementedError(f"the Mosaic GPU InfiniGen selector takes <= {PARTIAL_DIM} partial dims and "
-                                      f"64-token blocks, got {qp.shape[-1]} and {sparse.block_size}")
+        if qp.shape[-1] > PARTIAL_DIM or sparse.block_size != 64 or qp.shape[2] // pk.shape[2] > MAX_GROUP:
+            raise NotImplementedError(f"the Mosaic GPU InfiniGen selector takes <= {PARTIAL_DIM} partial dims, "
+                                      f"64-token blocks and <= {MAX_GROUP} query heads per KV head, got "
+                                      f"{qp.shape[-1]}, {sparse.block_size} and {qp.shape[2] // pk.shape[2]}")
         qp, pk = jax.lax.stop_gradient((qp, pk))  # the block choice carries no gradient; the kernel has no JVP
         return infinigen_select(qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=n_blocks,
                                 interpret=interpret_params(implementation))
@@ -162,12 +165,13 @@ def select_blocks_nosa(q, kc, cis_c, q_positions, sparse: SparseConfig, *, n_blo
 
 
 def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int, n_blocks: int | None = None,
-                            q_chunk: int = 64, implementation: str | None = None) -> jax.Array:
+                            q_chunk: int = 64, implementation: str | None = None, kernel_dtype=None) -> jax.Array:
     """InfiniGen's selection from speculated token scores. qp [B, Tq, H, r] partial queries, pk
     [B, S, K, r] partial keys, q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk]
-    (`reference.infinigen_chunk_scores`). The Mosaic kernel scores in qp's dtype, which must be
-    bf16/f16. implementation: see the module docstring (None: "xla")."""
+    (`reference.infinigen_chunk_scores`). "xla" scores in f32; a Mosaic backend rounds qp and pk
+    to kernel_dtype (None: qp's dtype), which must be bf16/f16 (the model's compute dtype).
+    implementation: see the module docstring (None: "xla")."""
     _check_sparse(sparse)
     nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
     return INFINIGEN_BACKENDS(implementation, ("xla",), qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=nb,
-                              q_chunk=q_chunk)
+                              q_chunk=q_chunk, kernel_dtype=kernel_dtype)

@@ -6,17 +6,19 @@ G query heads, a query at position p scores each visible token j <= p with
 the max over its tokens; the forced / causal rules and the top-k follow. The XLA reference
 materialises those f32 scores for every (head, query, token); these kernels keep them in registers.
 
-1. `infllmv2_mgpu.head_lse` with one-token chunks (kernel size 1, stride 1): per query head the
-   LSE over the visible tokens. The partial dims are zero-padded to 64 (one 128-byte swizzle row;
-   zeros add nothing to a dot product) and the queries prescaled, so that the kernel's
-   1/sqrt(64) gives InfiniGen's 1/sqrt(head_dim).
+1. `infllmv2_mgpu.head_lse` with one-token chunks (kernel size 1, stride 1) and InfiniGen's
+   scale 1/sqrt(head_dim): per query head the LSE over the visible tokens. The partial dims are
+   zero-padded to 64 (one 128-byte swizzle row; zeros add nothing to a dot product).
 2. `block_scores`: one CTA per (batch, KV head, 64 tokens); per 64-block tile up to the tile's
    last own block, a pipeline over the 64 token offsets o: plane o of the tile holds token
    64 * blk + o of each of its 64 blocks (`token_planes`), so a step is G wgmmas of 64x64x64 and
    a running max over o is each block's max over its tokens. Later tiles are written as -inf.
 3. the top-k: `forecast_mgpu.select_topk`.
 
-Only 64-token blocks (a plane per token of a block).
+The wgmma operands are 16-bit: the partial queries' dtype (bf16 or f16), the f32 partial keys
+rounded to it; the XLA reference scores in f32, so exact near-ties at the top-k boundary may
+differ. Only 64-token blocks (a plane per token of a block); G <= `MAX_GROUP` heads per KV head
+(their queries stay in shared memory).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from sparda_jax.ops._dispatch import lowered_once
 from .forecast_mgpu import MAX_BLOCKS, MMA_T, select_topk
 from .infllmv2_mgpu import head_lse, layout_q
 
-__all__ = ["token_planes", "block_scores", "block_scores_reference", "infinigen_select", "PARTIAL_DIM"]
+__all__ = ["token_planes", "block_scores", "block_scores_reference", "infinigen_select", "PARTIAL_DIM", "MAX_GROUP"]
 
 BS = 64           # tokens per block: one plane per token offset
-PARTIAL_DIM = 64  # partial dims are padded to this (the wgmma's K and the 128-byte swizzle, bf16)
+PARTIAL_DIM = 64  # partial dims are padded to this (the wgmma's K and the 128-byte swizzle, 16-bit)
+MAX_GROUP = 16    # G query slabs of 64 x 64 x 2 bytes in shared memory: 128 KiB of Hopper's 227
 
 
 def token_planes(pk, nbp: int):
@@ -48,17 +51,17 @@ def token_planes(pk, nbp: int):
     return pk.reshape(b, nbp, BS, kh, d).transpose(0, 3, 2, 1, 4).reshape(b, kh, BS * nbp, d)
 
 
-def block_scores(q_r, planes, lse, pos, *, n_tokens, init_blocks=1, local_blocks=32, interpret=None):
-    """q_r [B, K, Tt, G*64, D] (`layout_q` of the prescaled partial queries), planes
-    [B, K, 64 * NBp, D] (`token_planes`), lse [B, K, Tt, G, 64] (`head_lse` over the tokens), pos
+def block_scores(q_r, planes, lse, pos, *, n_tokens, scale, init_blocks=1, local_blocks=32, interpret=None):
+    """q_r [B, K, Tt, G*64, D] (`layout_q` of the partial queries), planes [B, K, 64 * NBp, D]
+    (`token_planes`), lse [B, K, Tt, G, 64] (`head_lse` over the tokens, same scale), pos
     [B, Tt*64] -> [B, K, Tt*64, NBp] f32: per query and block the max over the block's visible
-    tokens (j <= p, j < n_tokens) of sum_g exp(q_g . k_j / sqrt(D) - lse_g); -inf = not a
+    tokens (j <= p, j < n_tokens) of sum_g exp(scale * q_g . k_j - lse_g); -inf = not a
     candidate, +inf = forced."""
     B, K, Tt, GR, D = q_r.shape
     G = GR // 64
     NBp = planes.shape[2] // BS
     nbt = NBp // 64
-    scale = 1.0 / math.sqrt(D)
+    scale = float(scale)
     L = plgpu.Layout.WGMMA
 
     def infinigen_block_scores(q_ref, pl_ref, lse_ref, pos_ref, o_ref, q_smem, lse_smem, pos_smem, out_smem, bar):
@@ -122,7 +125,8 @@ def block_scores(q_r, planes, lse, pos, *, n_tokens, init_blocks=1, local_blocks
             interpret=interpret)(q_r, planes, lse, pos)
 
 
-def block_scores_reference(q_r, planes, lse, pos, *, n_tokens, init_blocks=1, local_blocks=32, interpret=None):
+def block_scores_reference(q_r, planes, lse, pos, *, n_tokens, scale, init_blocks=1, local_blocks=32,
+                           interpret=None):
     """jnp twin of `block_scores` (same signature; `interpret` ignored)."""
     del interpret
     B, K, Tt, GR, D = q_r.shape
@@ -130,7 +134,7 @@ def block_scores_reference(q_r, planes, lse, pos, *, n_tokens, init_blocks=1, lo
     NBp = planes.shape[2] // BS
     qf = q_r.astype(jnp.float32).reshape(B, K, Tt, G, 64, D)
     kf = planes.astype(jnp.float32).reshape(B, K, BS, NBp, D)
-    lg = jnp.einsum("BKTGRD,BKOND->BKTGRON", qf, kf) / math.sqrt(D)
+    lg = jnp.einsum("BKTGRD,BKOND->BKTGRON", qf, kf) * float(scale)
     e = jnp.exp(lg - lse[..., None, None]).sum(axis=3)            # [B, K, Tt, 64, O, NBp]
     p2 = pos.reshape(B, 1, Tt, 64, 1, 1)
     tok = jnp.arange(NBp).reshape(1, 1, 1, 1, 1, NBp) * BS + jnp.arange(BS).reshape(1, 1, 1, 1, BS, 1)
@@ -146,31 +150,35 @@ def block_scores_reference(q_r, planes, lse, pos, *, n_tokens, init_blocks=1, lo
 
 @lowered_once("sparse", "head_dim", "n_blocks", "interpret")
 def infinigen_select(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int, n_blocks: int, interpret=None):
-    """Same contract as `reference.select_blocks_infinigen_reference`: qp [B, Tq, H, r] partial queries, pk
-    [B, S, K, r] partial keys (r <= 64; cast to bf16), q_positions [B, Tq] -> int32
-    [B, K, Tq, sparse.topk]."""
+    """Same contract as `reference.select_blocks_infinigen_reference`: qp [B, Tq, H, r] partial
+    queries in bf16/f16 (the wgmma operands' dtype; pk is rounded to it), pk [B, S, K, r] partial
+    keys (r <= 64), q_positions [B, Tq] -> int32 [B, K, Tq, sparse.topk]."""
     b, tq, h, r = qp.shape
     s, kh = pk.shape[1], pk.shape[2]
     if sparse.block_size != BS:
         raise NotImplementedError(f"the Mosaic GPU InfiniGen selector takes {BS}-token blocks, got {sparse.block_size}")
+    if qp.dtype not in (jnp.bfloat16, jnp.float16):
+        raise TypeError(f"the Mosaic GPU InfiniGen selector takes bf16/f16 partial queries, got {qp.dtype}")
     if r > PARTIAL_DIM or pk.shape[-1] != r:
         raise ValueError(f"partial dims ({r}, keys {pk.shape[-1]}) must match and be <= {PARTIAL_DIM}")
     if h % kh or pk.shape[0] != b or q_positions.shape != (b, tq):
         raise ValueError(f"shapes: qp {qp.shape}, pk {pk.shape}, q_positions {q_positions.shape}")
+    if h // kh > MAX_GROUP:
+        raise ValueError(f"{h // kh} query heads per KV head exceed the kernel's {MAX_GROUP}")
     if n_blocks > MAX_BLOCKS:
         raise ValueError(f"{n_blocks} blocks exceed the kernel's row of {MAX_BLOCKS} (context > 128K)")
     tp = -(-tq // 64) * 64
     nbp = -(-max(n_blocks, -(-s // BS)) // 64) * 64
     pad_r = ((0, 0), (0, 0), (0, 0), (0, PARTIAL_DIM - r))
-    # the kernels scale by 1/sqrt(PARTIAL_DIM); InfiniGen's logits by 1/sqrt(head_dim)
-    q = (jnp.pad(qp.astype(jnp.float32), pad_r) * math.sqrt(PARTIAL_DIM / head_dim)).astype(jnp.bfloat16)
-    k = jnp.pad(pk, pad_r).astype(jnp.bfloat16)
-    q_r = layout_q(q, kh, tp)
+    scale = 1.0 / math.sqrt(head_dim)  # InfiniGen's logits: the full head dim's, not the partial one's
+    q_r = layout_q(jnp.pad(qp, pad_r), kh, tp)
+    k = jnp.pad(pk, pad_r).astype(qp.dtype)
     pos = jnp.pad(q_positions.astype(jnp.int32), ((0, 0), (0, tp - tq)), constant_values=-1)
     ncp = max(64, -(-s // 64) * 64)
     kc_r = jnp.pad(k, ((0, 0), (0, ncp - s), (0, 0), (0, 0))).transpose(0, 2, 1, 3)
-    lse = head_lse(q_r, kc_r, pos, n_chunks=s, kernel_size=1, kernel_stride=1, interpret=interpret)
-    scores = block_scores(q_r, token_planes(k, nbp), lse, pos, n_tokens=s, init_blocks=sparse.init_blocks,
-                          local_blocks=sparse.local_blocks, interpret=interpret)[:, :, :tq, :n_blocks]
+    lse = head_lse(q_r, kc_r, pos, n_chunks=s, kernel_size=1, kernel_stride=1, scale=scale, interpret=interpret)
+    scores = block_scores(q_r, token_planes(k, nbp), lse, pos, n_tokens=s, scale=scale,
+                          init_blocks=sparse.init_blocks, local_blocks=sparse.local_blocks,
+                          interpret=interpret)[:, :, :tq, :n_blocks]
     ids = select_topk(scores.reshape(b * kh * tq, n_blocks), sparse.topk, interpret=interpret)
     return ids.reshape(b, kh, tq, sparse.topk)

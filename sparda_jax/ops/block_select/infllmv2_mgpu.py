@@ -59,13 +59,14 @@ def _vis(c, p2, n_chunks, kernel_size, kernel_stride):
     return (c >= 0) & (c < n_chunks) & (c * kernel_stride + (kernel_size - 1) <= p2)
 
 
-def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, interpret=None):
+def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, scale=None, interpret=None):
     """q_r [B, K, Tt, G*64, D] (`layout_q`), kc_r [B, K, Ncp, D] (Ncp % 64 == 0, rows >= n_chunks
     ignored), pos [B, Tt*64] int32 (-1 = padding) -> lse [B, K, Tt, G, 64] f32: per query head the
-    log-sum-exp of q.kc/sqrt(D) over the chunks visible at its position (about NEG where none)."""
+    log-sum-exp of scale * q.kc (scale None: 1/sqrt(D)) over the chunks visible at its position
+    (about NEG where none)."""
     B, K, Tt, GR, D = q_r.shape
     G, Ncp = GR // 64, kc_r.shape[2]
-    scale = 1.0 / math.sqrt(D)
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     L = plgpu.Layout.WGMMA
 
     def infllmv2_head_lse(q_ref, kc_ref, pos_ref, o_ref, q_smem, pos_smem, lse_smem, bar):
@@ -108,14 +109,14 @@ def head_lse(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, inte
             interpret=interpret)(q_r, kc_r, pos)
 
 
-def head_lse_reference(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, interpret=None):
+def head_lse_reference(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_stride=16, scale=None, interpret=None):
     """jnp twin of `head_lse` (same signature; `interpret` ignored)."""
     del interpret
     B, K, Tt, GR, D = q_r.shape
     G = GR // 64
     qf = q_r.astype(jnp.float32).reshape(B, K, Tt, G, 64, D)
     kc = kc_r[:, :, :n_chunks].astype(jnp.float32)
-    lg = jnp.einsum("BKTGRD,BKND->BKTGRN", qf, kc) / math.sqrt(D)
+    lg = jnp.einsum("BKTGRD,BKND->BKTGRN", qf, kc) * (1.0 / math.sqrt(D) if scale is None else float(scale))
     vis = chunk_visible(jnp.arange(n_chunks), pos.reshape(B, Tt, 64), kernel_size, kernel_stride)
     vis = vis[:, None, :, None]                                   # [B, 1, Tt, 1, 64, N]
     masked = jnp.where(vis, lg, NEG)

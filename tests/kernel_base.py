@@ -101,3 +101,19 @@ def assert_same_up_to_near_ties(got, ref, scores, rtol):
         diff.discard(-1)
         assert all(abs(row[i] - kth) <= rtol * abs(kth) for i in diff), (idx, sorted(diff), kth)
     assert len(bad[0]) <= 1e-3 * np.prod(ref.shape[:-1])
+
+
+def ranked_chunk_scores(score_fn, x, pos, sp, *, chunk: int):
+    """score_fn(x chunk [1, chunk, ...], pos chunk) -> block scores [1, K, chunk, nb], mapped over
+    chunks of a batch-1 sequence's queries, then ranked as `finalize_topk` ranks them: forced
+    blocks +inf, non-candidates -inf. The reference scores `assert_same_up_to_near_ties` takes."""
+    t = x.shape[1]
+    chunks = lambda a: jnp.moveaxis(a.reshape(1, t // chunk, chunk, *a.shape[2:]), 1, 0)
+    scores = jax.lax.map(lambda a: score_fn(a[0], a[1]), (chunks(x), chunks(pos)))
+    scores = jnp.moveaxis(scores, 0, 2)
+    scores = scores.reshape(1, scores.shape[1], t, scores.shape[-1])
+    nb = scores.shape[-1]
+    blk, qblk = jnp.arange(nb).reshape(1, 1, 1, nb), (pos // sp.block_size)[:, None, :, None]
+    cand = blk <= qblk
+    forced = cand & ((blk < sp.init_blocks) | (blk >= qblk - sp.local_blocks))
+    return jnp.where(forced, jnp.inf, jnp.where(cand, scores, -jnp.inf))

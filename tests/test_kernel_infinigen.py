@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_base import INTERPRET, assert_ids_equal, assert_same_up_to_near_ties, gpu, lower_for_hopper
+from kernel_base import (INTERPRET, assert_ids_equal, assert_same_up_to_near_ties, gpu, lower_for_hopper,
+                         ranked_chunk_scores)
 
 from sparda_jax import SparseConfig
 from sparda_jax.ops.block_select import infinigen_mgpu as gk
@@ -186,11 +187,6 @@ def test_compiled_matches_jnp_selector(t, kh, g, r, head_dim, local, topk):
     got = jax.jit(functools.partial(gk.infinigen_select, sparse=sp, head_dim=head_dim, n_blocks=nb))(qp, pk, pos)
     qf = qp.astype(jnp.float32)
     ref = select_blocks_infinigen(qf, pk, pos, sp, head_dim=head_dim, n_blocks=nb)
-    chunks = lambda x: jnp.moveaxis(x.reshape(1, t // 64, 64, *x.shape[2:]), 1, 0)  # 64 queries a chunk
-    scores = jax.lax.map(lambda a: infinigen_chunk_scores(a[0], pk, a[1], sp, nb, head_dim), (chunks(qf), chunks(pos)))
-    scores = jnp.moveaxis(scores, 0, 2).reshape(1, kh, t, nb)
-    blk, qblk = jnp.arange(nb).reshape(1, 1, 1, nb), (pos // sp.block_size)[:, None, :, None]
-    cand = blk <= qblk
-    forced = cand & ((blk < sp.init_blocks) | (blk >= qblk - sp.local_blocks))
-    scores = jnp.where(forced, jnp.inf, jnp.where(cand, scores, -jnp.inf))   # as finalize_topk ranks them
+    scores = ranked_chunk_scores(lambda x, p: infinigen_chunk_scores(x, pk, p, sp, nb, head_dim), qf, pos, sp,
+                                 chunk=64)
     assert_same_up_to_near_ties(got, ref, scores, rtol=1e-5)

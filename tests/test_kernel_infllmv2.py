@@ -9,7 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from kernel_base import INTERPRET, assert_ids_equal, assert_same_up_to_near_ties, gpu, lower_for_hopper
+from kernel_base import (INTERPRET, assert_ids_equal, assert_same_up_to_near_ties, gpu, lower_for_hopper,
+                         ranked_chunk_scores)
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
@@ -127,14 +128,8 @@ def test_compiled_matches_jnp_selector(t, kh, g, d, local, topk):
     nb = n_blocks_for(kc.shape[1], sp)
     ref = select_blocks_infllmv2_reference(q, kc, pos, sp, n_blocks=nb)
     got = jax.jit(functools.partial(ik.infllmv2_select, sparse=sp, n_blocks=nb))(q, kc, pos)
-    chunks = lambda x: jnp.moveaxis(x.reshape(1, t // 128, 128, *x.shape[2:]), 1, 0)  # 128 queries a chunk
-    scores = jax.lax.map(lambda a: pool_to_blocks(infllmv2_chunk_scores(a[0], kc, a[1], sp), nb, sp),
-                         (chunks(q), chunks(pos)))
-    scores = jnp.moveaxis(scores, 0, 2).reshape(1, kh, t, nb)
-    blk, qblk = jnp.arange(nb).reshape(1, 1, 1, nb), (pos // sp.block_size)[:, None, :, None]
-    cand = blk <= qblk
-    forced = cand & ((blk < sp.init_blocks) | (blk >= qblk - sp.local_blocks))
-    scores = jnp.where(forced, jnp.inf, jnp.where(cand, scores, -jnp.inf))   # as finalize_topk ranks them
+    scores = ranked_chunk_scores(lambda x, p: pool_to_blocks(infllmv2_chunk_scores(x, kc, p, sp), nb, sp), q, pos,
+                                 sp, chunk=128)
     assert_same_up_to_near_ties(got, ref, scores, rtol=1e-5)
 
 

@@ -35,7 +35,7 @@ from sparda_jax.config import SparseConfig
 from sparda_jax.ops._dispatch import lowered_once
 
 from .forecast_mgpu import MAX_BLOCKS, MMA_T, select_topk
-from .infllmv2_mgpu import head_lse, layout_q
+from .infllmv2_mgpu import head_lse, layout_q, store_future, tile_store
 
 __all__ = ["token_planes", "block_scores", "block_scores_reference", "infinigen_select", "PARTIAL_DIM", "MAX_GROUP"]
 
@@ -78,11 +78,7 @@ def block_scores(q_r, planes, lse, pos, *, n_tokens, scale, init_blocks=1, local
         # block tiles up to the last own block of the tile; later ones are all future blocks
         nj = jnp.clip(jnp.maximum(jnp.max(p_row), 0) // BS // 64 + 1, 1, nbt)
 
-        def store(j, s):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)       # the last store has read out_smem
-            out_smem[...] = s
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[b, h, pl.ds(t0, 64), pl.ds(j * 64, 64)])
+        store = tile_store(o_ref, out_smem, b, h, t0)
 
         @pl.loop(0, nj)
         def _(j):
@@ -111,10 +107,7 @@ def block_scores(q_r, planes, lse, pos, *, n_tokens, scale, init_blocks=1, local
             forced = cand & ((blk < init_blocks) | (blk >= qblk - local_blocks))
             store(j, jnp.where(forced, jnp.inf, jnp.where(cand, best, -jnp.inf)))
 
-        @pl.loop(nj, nbt)
-        def _(j):
-            store(j, plgpu.layout_cast(jnp.full((64, 64), -jnp.inf, jnp.float32), L))
-        plgpu.wait_smem_to_gmem(0)
+        store_future(store, nj, nbt)
 
     return plgpu.kernel(
             infinigen_block_scores, out_type=jax.ShapeDtypeStruct((B, K, Tt * 64, NBp), jnp.float32),

@@ -39,8 +39,8 @@ from sparda_jax.compress import chunk_visible
 
 from .forecast_mgpu import MAX_BLOCKS, MMA_T, phase_kc, select_topk
 
-__all__ = ["layout_q", "head_lse", "head_lse_reference", "block_scores", "block_scores_reference",
-           "infllmv2_select"]
+__all__ = ["layout_q", "head_lse", "head_lse_reference", "tile_store", "store_future", "block_scores",
+           "block_scores_reference", "infllmv2_select"]
 
 NEG = -1e30  # finite: an online max that starts at -inf gives exp(-inf + inf) = NaN
 
@@ -125,6 +125,27 @@ def head_lse_reference(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_strid
     return m + jnp.log(jnp.maximum(s, 1e-30))
 
 
+def tile_store(o_ref, out_smem, b, h, t0):
+    """Inside a block-scores kernel: store(j, s) writes s [64 queries, 64 blocks] f32 (WGMMA
+    layout) to o_ref[b, h, t0:t0+64, 64j:64j+64] through out_smem, once the previous store has
+    read it out."""
+    def store(j, s):
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        out_smem[...] = s
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, o_ref.at[b, h, pl.ds(t0, 64), pl.ds(j * 64, 64)])
+    return store
+
+
+def store_future(store, nj, nbt):
+    """Block tiles nj..nbt-1 hold only future blocks of the query tile: -inf; then every store
+    is waited for."""
+    @pl.loop(nj, nbt)
+    def _(j):
+        store(j, plgpu.layout_cast(jnp.full((64, 64), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA))
+    plgpu.wait_smem_to_gmem(0)
+
+
 def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_size=32, kernel_stride=16,
                  init_blocks=1, local_blocks=32, interpret=None):
     """q_r [B, K, Tt, G*64, D] (`layout_q`), kcp [B, K, P, NBp, D] (`phase_kc`), lse [B, K, Tt, G, 64]
@@ -152,11 +173,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
         def q_copy(g, slot):
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, t, pl.ds(g * 64, 64)], q_smem.at[slot], qbar.at[slot])
 
-        def store(j, s):
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)       # the last store has read out_smem
-            out_smem[...] = s
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem, o_ref.at[b, h, pl.ds(t0, 64), pl.ds(j * 64, 64)])
+        store = tile_store(o_ref, out_smem, b, h, t0)
 
         def step(idx, *kc_smems):
             (j,) = idx
@@ -197,10 +214,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
                 max_concurrent_steps=2,
         )(*[kc_ref.at[b, h, p] for p in range(P)])
 
-        @pl.loop(nj, NBp // 64)
-        def _(j):
-            store(j, plgpu.layout_cast(jnp.full((64, 64), -jnp.inf, jnp.float32), L))
-        plgpu.wait_smem_to_gmem(0)
+        store_future(store, nj, NBp // 64)
 
     return plgpu.kernel(
             infllmv2_block_scores, out_type=jax.ShapeDtypeStruct((B, K, Tt * 64, NBp), jnp.float32),

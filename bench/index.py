@@ -100,6 +100,9 @@ FILES = {
     "profiles/decode_profile_8517789.json": "3 traced steps a row at 8517789 (trace kept beside it)",
     "profiles/layer_breakdown_2e96975.json": "a decode layer's kernel time by kind, 16-layer doorbell trace",
     "profiles/layer_breakdown_sparse_a3cd03f.json": "the same for the synchronous Sparse trace",
+    "profiles/prefill_sparda_4k_0c2fd73.trace.json.gz": "one warm 4K SmolLM2 SparDA prefill (H100, 0c2fd73, "
+                                                       "traced up to its first token): the host's work before the "
+                                                       "forward program starts (decision: host prompts)",
     "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1, every system, once the first token is read before the "
                                 "KV's move to the host and host prompts are checked on the host (issue 28's targets "
                                 "at 4K batch 1)",

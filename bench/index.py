@@ -103,6 +103,8 @@ FILES = {
     "profiles/prefill_sparda_4k_0c2fd73.trace.json.gz": "one warm 4K SmolLM2 SparDA prefill (H100, 0c2fd73, "
                                                        "traced up to its first token): the host's work before the "
                                                        "forward program starts (decision: host prompts)",
+    "profiles/prefill_sparse_4k_0c2fd73.trace.json.gz": "the same run's Sparse prefill: the per-tile union's sort, "
+                                                       "two scatters and cumsum (decision: the prefill's union)",
     "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1, every system, once the first token is read before the "
                                 "KV's move to the host and host prompts are checked on the host (issue 28's targets "
                                 "at 4K batch 1)",

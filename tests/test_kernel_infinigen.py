@@ -131,9 +131,9 @@ def test_lowers_for_hopper_at_realistic_size():
     lower_for_hopper(functools.partial(gk.infinigen_select, sparse=sp, head_dim=128, n_blocks=t // 64), qp, pk, pos)
 
 
-def test_dispatch_takes_the_kernel_by_name_only():
-    """None runs the XLA reference (f32 scores); "mosaic_gpu_interpret" the kernels, on partial
-    queries in kernel_dtype (default: their own), which must be 16-bit."""
+def test_dispatch():
+    """None runs the XLA reference here (f32 partial queries, or no Hopper GPU); "mosaic_gpu_interpret"
+    the kernels, on partial queries in kernel_dtype (default: their own), which must be 16-bit."""
     from sparda_jax.select import select_blocks_infinigen as dispatch
 
     sp = SparseConfig(local_blocks=1, topk=5, dense_len=0)

@@ -9,10 +9,9 @@ Backends:
   "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
                          any head dim that is a multiple of 64.
 Default order: prefill (Tq > 1) "mosaic_gpu", "xla"; decode (Tq == 1) "xla" alone, the faster
-there. InfiniGen's Mosaic selector (`infinigen_mgpu.py`: partial dims <= 64, 64-token blocks) is
-taken only when asked for by name until its compiled test has run on a GPU (a name given for
-every selector, e.g. `Implementations(select="mosaic_gpu")`, takes it too). A Mosaic backend
-raises NotImplementedError for inputs outside its envelope.
+there. InfiniGen's Mosaic selector (`infinigen_mgpu.py`: partial dims <= 64, 64-token blocks,
+16-bit kernel_dtype) follows the same order. A Mosaic backend raises NotImplementedError for
+inputs outside its envelope, and the default order then falls back to "xla".
 """
 
 from __future__ import annotations
@@ -170,8 +169,8 @@ def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_d
     [B, S, K, r] partial keys, q_positions int [B, Tq] -> int32 [B, K, Tq, sparse.topk]
     (`reference.infinigen_chunk_scores`). "xla" scores in f32; a Mosaic backend rounds qp and pk
     to kernel_dtype (None: qp's dtype), which must be bf16/f16 (the model's compute dtype).
-    implementation: see the module docstring (None: "xla")."""
+    implementation: see the module docstring."""
     _check_sparse(sparse)
     nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
-    return INFINIGEN_BACKENDS(implementation, ("xla",), qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=nb,
+    return INFINIGEN_BACKENDS(implementation, default_order(qp), qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=nb,
                               q_chunk=q_chunk, kernel_dtype=kernel_dtype)

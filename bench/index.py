@@ -108,6 +108,10 @@ FILES = {
     "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1, every system, once the first token is read before the "
                                 "KV's move to the host and host prompts are checked on the host (issue 28's targets "
                                 "at 4K batch 1)",
+    "realmodel/infinigen_default_b1.json": "731b82d's tree (recorded as its parent 15799fb: .commit was written before "
+                                           "the change was committed): 4K and 8K batch 1, every system, InfiniGen's "
+                                           "prefill selection by default on the Mosaic kernels",
+    "realmodel/infinigen_default_b8.json": "the same tree and machine right after: 4K and 8K batch 8, every system",
     "realmodel/token_before_move.json": "0c2fd73, 4K batch 1, every system, --profile-prefill: the first token read "
                                         "before the KV's move to the host, the prompt still checked on the device",
     "realmodel/decode_profile.json": "4K batch 1, Dense+, Sparse, SparDA with --profile-decode and --profile-prefill: "

@@ -105,9 +105,10 @@ FILES = {
                                                        "forward program starts (decision: host prompts)",
     "profiles/prefill_sparse_4k_0c2fd73.trace.json.gz": "the same run's Sparse prefill: the per-tile union's sort, "
                                                        "two scatters and cumsum (decision: the prefill's union)",
-    "realmodel/realmodel.json": "SmolLM2, 4K and 8K, batch 1, every system, once the first token is read before the "
-                                "KV's move to the host and host prompts are checked on the host (issue 28's targets "
-                                "at 4K batch 1)",
+    "realmodel/realmodel.json": "58364e4: SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's grid; the "
+                                "480 s budget skipped the last two 8K batch-8 cells)",
+    "realmodel/infinigen_prefill.json": "58364e4, 4K batch 1, Dense+, Sparse, InfiniGen with --profile-prefill: "
+                                        "InfiniGen's two scoring passes against the rest of its prefill",
     "realmodel/infinigen_default_b1.json": "731b82d's tree (recorded as its parent 15799fb: .commit was written before "
                                            "the change was committed): 4K and 8K batch 1, every system, InfiniGen's "
                                            "prefill selection by default on the Mosaic kernels",

@@ -30,7 +30,7 @@ from jax.experimental.mosaic.gpu.fragmented_array import Tiling
 from sparda_jax.config import SparseConfig
 from sparda_jax.ops._dispatch import lowered_once
 
-__all__ = ["phase_kc", "block_scores", "topk_select_rows", "rows_per_cta", "MIN_CTAS", "select_topk",
+__all__ = ["phase_kc", "with_forced", "block_scores", "topk_select_rows", "rows_per_cta", "MIN_CTAS", "select_topk",
            "topk_reference", "forecast_select", "MAX_BLOCKS"]
 
 MAX_BLOCKS = 2048  # one top-k row is 8 x 256 scores (TMA boxes hold <= 256 per dimension)
@@ -53,6 +53,15 @@ def phase_kc(kc, nbp, *, block_size=64, kernel_size=32, kernel_stride=16):
         g = jnp.take(kc, jnp.clip(c, 0, Nc - 1), axis=1)
         planes.append(jnp.where(((c >= 0) & (c < Nc))[None, :, None, None], g, 0))
     return jnp.stack(planes, 0).transpose(1, 3, 0, 2, 4), offs
+
+
+def with_forced(best, blk, qblk, init_blocks, local_blocks):
+    """A tile's block scores as stored: +inf for the forced blocks (the first init_blocks and the
+    local window before each query's own block), -inf for the future ones, else best."""
+    cand = blk <= qblk
+    forced = cand & ((blk < init_blocks) | (blk >= qblk - local_blocks))
+    return jnp.where(forced, jnp.inf, jnp.where(cand, best, -jnp.inf))
+
 
 def block_scores(f_r, kcp, pos, *, offs, block_size=64, kernel_size=32, kernel_stride=16,
                                   init_blocks=1, local_blocks=32, interpret=None):
@@ -89,9 +98,7 @@ def block_scores(f_r, kcp, pos, *, offs, block_size=64, kernel_size=32, kernel_s
                 vis = (c >= 0) & (c * kernel_stride + (kernel_size - 1) <= p2)
                 lg = jnp.where(vis, lg, -jnp.inf)
                 best = lg if best is None else jnp.maximum(best, lg)
-            cand = blk <= qblk
-            forced = cand & ((blk < init_blocks) | (blk >= qblk - local_blocks))
-            s = jnp.where(forced, jnp.inf, jnp.where(cand, best, -jnp.inf))
+            s = with_forced(best, blk, qblk, init_blocks, local_blocks)
             # manual double-buffered output (emit_pipeline out_specs use predicated stores,
             # which interpret mode rejects)
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)         # the store from step j-2 has read its slot

@@ -34,8 +34,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from sparda_jax.config import SparseConfig
 from sparda_jax.ops._dispatch import lowered_once
 
-from .forecast_mgpu import MAX_BLOCKS, MMA_T, select_topk
-from .infllmv2_mgpu import head_lse, layout_q, store_future, tile_store
+from .forecast_mgpu import MAX_BLOCKS, MMA_T, select_topk, with_forced
+from .infllmv2_mgpu import head_lse, layout_q, query_tile, store_future, tile_store
 
 __all__ = ["token_planes", "block_scores", "block_scores_reference", "infinigen_select", "PARTIAL_DIM", "MAX_GROUP"]
 
@@ -72,11 +72,7 @@ def block_scores(q_r, planes, lse, pos, *, n_tokens, scale, init_blocks=1, local
         plgpu.copy_gmem_to_smem(lse_ref.at[b, h, t], lse_smem, bar)
         plgpu.copy_gmem_to_smem(pos_ref.at[b, pl.ds(t0, 64)], pos_smem, bar)
         plgpu.barrier_wait(bar)
-        p_row = plgpu.load(pos_smem, layout=L.reduce(1))
-        p2 = lax.broadcast_in_dim(p_row, (64, 64), [0])
-        qblk = jnp.where(p2 >= 0, p2 // BS, -1)
-        # block tiles up to the last own block of the tile; later ones are all future blocks
-        nj = jnp.clip(jnp.maximum(jnp.max(p_row), 0) // BS // 64 + 1, 1, nbt)
+        p2, qblk, nj = query_tile(pos_smem, BS, nbt)
 
         store = tile_store(o_ref, out_smem, b, h, t0)
 
@@ -103,9 +99,7 @@ def block_scores(q_r, planes, lse, pos, *, n_tokens, scale, init_blocks=1, local
                     max_concurrent_steps=2,
                     init_carry=plgpu.layout_cast(jnp.full((64, 64), -jnp.inf, jnp.float32), L),
             )(pl_ref.at[b, h])
-            cand = blk <= qblk
-            forced = cand & ((blk < init_blocks) | (blk >= qblk - local_blocks))
-            store(j, jnp.where(forced, jnp.inf, jnp.where(cand, best, -jnp.inf)))
+            store(j, with_forced(best, blk, qblk, init_blocks, local_blocks))
 
         store_future(store, nj, nbt)
 

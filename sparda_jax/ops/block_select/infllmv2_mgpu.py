@@ -37,9 +37,9 @@ from sparda_jax.config import SparseConfig
 from sparda_jax.ops._dispatch import lowered_once
 from sparda_jax.compress import chunk_visible
 
-from .forecast_mgpu import MAX_BLOCKS, MMA_T, phase_kc, select_topk
+from .forecast_mgpu import MAX_BLOCKS, MMA_T, phase_kc, select_topk, with_forced
 
-__all__ = ["layout_q", "head_lse", "head_lse_reference", "tile_store", "store_future", "block_scores",
+__all__ = ["layout_q", "head_lse", "head_lse_reference", "query_tile", "tile_store", "store_future", "block_scores",
            "block_scores_reference", "infllmv2_select"]
 
 NEG = -1e30  # finite: an online max that starts at -inf gives exp(-inf + inf) = NaN
@@ -125,6 +125,17 @@ def head_lse_reference(q_r, kc_r, pos, *, n_chunks, kernel_size=32, kernel_strid
     return m + jnp.log(jnp.maximum(s, 1e-30))
 
 
+def query_tile(pos_smem, block_size, n_tiles):
+    """Inside a block-scores kernel, once pos_smem holds the query tile's 64 positions: (p2, qblk,
+    nj), the positions and each query's own block broadcast over 64 block columns (-1: padding),
+    and the block tiles up to the tile's last own block (1..n_tiles); later ones are all future."""
+    p_row = plgpu.load(pos_smem, layout=plgpu.Layout.WGMMA.reduce(1))
+    p2 = lax.broadcast_in_dim(p_row, (64, 64), [0])
+    qblk = jnp.where(p2 >= 0, p2 // block_size, -1)
+    nj = jnp.clip(jnp.maximum(jnp.max(p_row), 0) // block_size // 64 + 1, 1, n_tiles)
+    return p2, qblk, nj
+
+
 def tile_store(o_ref, out_smem, b, h, t0):
     """Inside a block-scores kernel: store(j, s) writes s [64 queries, 64 blocks] f32 (WGMMA
     layout) to o_ref[b, h, t0:t0+64, 64j:64j+64] through out_smem, once the previous store has
@@ -164,11 +175,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
         plgpu.copy_gmem_to_smem(lse_ref.at[b, h, t], lse_smem, bar)
         plgpu.copy_gmem_to_smem(pos_ref.at[b, pl.ds(t0, 64)], pos_smem, bar)
         plgpu.barrier_wait(bar)
-        p_row = plgpu.load(pos_smem, layout=L.reduce(1))
-        p2 = lax.broadcast_in_dim(p_row, (64, 64), [0])
-        qblk = jnp.where(p2 >= 0, p2 // block_size, -1)
-        # block tiles up to the last own block of the tile; later ones are all future blocks
-        nj = jnp.clip(jnp.maximum(jnp.max(p_row), 0) // block_size // 64 + 1, 1, NBp // 64)
+        p2, qblk, nj = query_tile(pos_smem, block_size, NBp // 64)
 
         def q_copy(g, slot):
             plgpu.copy_gmem_to_smem(q_ref.at[b, h, t, pl.ds(g * 64, 64)], q_smem.at[slot], qbar.at[slot])
@@ -204,9 +211,7 @@ def block_scores(q_r, kcp, lse, pos, *, offs, n_chunks, block_size=64, kernel_si
                 # invisible chunks may hold exp(...) = inf (lse ignores them): masked here
                 v = jnp.where(_vis(r * blk + o, p2, n_chunks, kernel_size, kernel_stride), accs[pi], -jnp.inf)
                 best = v if best is None else jnp.maximum(best, v)
-            cand = blk <= qblk
-            forced = cand & ((blk < init_blocks) | (blk >= qblk - local_blocks))
-            store(j, jnp.where(forced, jnp.inf, jnp.where(cand, best, -jnp.inf)))
+            store(j, with_forced(best, blk, qblk, init_blocks, local_blocks))
 
         plgpu.emit_pipeline(
                 step, grid=(nj,),

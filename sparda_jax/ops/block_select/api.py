@@ -172,5 +172,5 @@ def select_blocks_infinigen(qp, pk, q_positions, sparse: SparseConfig, *, head_d
     implementation: see the module docstring."""
     _check_sparse(sparse)
     nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
-    return INFINIGEN_BACKENDS(implementation, default_order(qp), qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=nb,
-                              q_chunk=q_chunk, kernel_dtype=kernel_dtype)
+    return INFINIGEN_BACKENDS(implementation, default_order(qp), qp, pk, q_positions, sparse, head_dim=head_dim,
+                              n_blocks=nb, q_chunk=q_chunk, kernel_dtype=kernel_dtype)

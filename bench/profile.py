@@ -18,6 +18,7 @@ Summary (per step, seconds):
   derived_lines_s_per_step  the profiler's own lines under the device (XLA Modules, XLA Ops),
                   summed, not counted as busy
   top             the kernels with the most total time: name, seconds per step, calls per step
+                  (`kernels` of them, default `top`: all of a step's kernels for an inventory)
   overlap_s_per_step  time two or more streams ran at once (the copy beside compute). On the H200
                   it was 0 even between two copy lanes started together: the traced kernels ran one
                   at a time, so a trace says where device and host time go, not whether streams
@@ -54,7 +55,7 @@ def _union_length(intervals) -> float:
     return total
 
 
-def summarize_trace(trace: dict, steps: int, top: int = 15) -> dict:
+def summarize_trace(trace: dict, steps: int, top: int = 15, kernels: int | None = None) -> dict:
     """Reduce a Chrome-trace dict to per-step device time. Device processes are those named
     /device:...; without any (the CPU backend) the XLA host threads stand in, labelled so."""
     ev = trace.get("traceEvents", [])
@@ -100,7 +101,7 @@ def summarize_trace(trace: dict, steps: int, top: int = 15) -> dict:
         by_stream[f"{pname.get(e['pid'])} {tname.get((e['pid'], e.get('tid')), e.get('tid'))}"].append((a, b))
         by_name[e["name"]] += e["dur"] * us
         calls[e["name"]] += 1
-    ranked = sorted(by_name, key=by_name.get, reverse=True)[:top]
+    ranked = sorted(by_name, key=by_name.get, reverse=True)[:top if kernels is None else kernels]
     out = {"source": source, "events": len(xs), "steps": steps, "kernels_per_step": len(xs) / steps,
            "span_s_per_step": span / steps, "busy_s_per_step": busy / steps,
            "idle_fraction": 1 - busy / span if span else None,
@@ -201,11 +202,13 @@ def trace_once(call, trace_path) -> tuple:
 class TraceWindow:
     """A trace started and stopped by the caller, e.g. from a `generate`'s on_step once its first
     decode call has ended, so that only the steady steps are traced. `stop(steps)` summarises
-    per step (`summarize_trace`); with keep_trace the trace is kept as <log_dir>.trace.json.gz."""
+    per step (`summarize_trace`, listing `kernels` kernels); with keep_trace the trace is kept as
+    <log_dir>.trace.json.gz."""
 
-    def __init__(self, log_dir, *, keep_trace: bool = False):
+    def __init__(self, log_dir, *, keep_trace: bool = False, kernels: int | None = None):
         self.log_dir = pathlib.Path(log_dir)
         self.keep_trace = keep_trace
+        self.kernels = kernels
         self.started = False
 
     def start(self) -> None:
@@ -225,7 +228,7 @@ class TraceWindow:
         if not found:
             return {"error": f"no trace.json.gz under {self.log_dir}"}
         with gzip.open(found[-1], "rb") as f:
-            summary = summarize_trace(json.load(f), steps)
+            summary = summarize_trace(json.load(f), steps, kernels=self.kernels)
         if self.keep_trace:
             # beside log_dir, not six folders down: the device tool brings back shallow files only
             kept = self.log_dir.with_name(self.log_dir.name + ".trace.json.gz")

@@ -59,6 +59,7 @@ CONTEXTS = (4096, 8192)  # SmolLM2: 8192 is its whole context, so that prompt is
 BATCHES = (1, 8)
 NEW_TOKENS = 64
 WARM_REPEATS = 3
+DECODE_KERNELS = 1000  # a decode profile lists every kernel of the step: an inventory per layer
 MAX_STEPS_PER_CALL = 8  # the decode claims' steps a program (docs/decisions.md, "n decode steps in one program")
 DEFAULT_OUT = default_out("realmodel/realmodel.json")
 BYTES_FORMULA = ("bytes_copied_per_token = copied_blocks x block_bytes / (decode steps x batch); block_bytes = "
@@ -180,7 +181,7 @@ def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int,
     decode_profile = None
     if profile_decode:
         with tempfile.TemporaryDirectory() as d:
-            window, seen = TraceWindow(Path(d) / "trace"), []
+            window, seen = TraceWindow(Path(d) / "trace", kernels=DECODE_KERNELS), []
 
             def open_after_first_call(_):
                 seen.append(None)
@@ -254,7 +255,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
     steps_per_call None: `default_steps_per_call(new_tokens)`. profile_prefill: each row's
     "prefill_profile", the summary of one more warm prefill under the profiler (device busy time,
     top kernels, host events: `bench.profile.summarize_trace`); profile_decode: each row's
-    "decode_profile", the same for the steady decode steps of one more warm generate.
+    "decode_profile", the same for the steady decode steps of one more warm generate, listing every
+    kernel (`DECODE_KERNELS`).
     implementations: each op's backend in every cell (None fields: the op picks; in config).
     Raises ValueError (`check_inputs`) before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm

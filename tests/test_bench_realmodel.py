@@ -121,6 +121,8 @@ def test_decode_profile_traces_the_steady_steps_only(tiny):
     assert x["status"] == "ok" and "prefill_profile" not in x, x
     assert p["steps"] == NEW - 1 - K and p["kernels_per_step"] >= 1, p
     assert 0 < p["busy_s_per_step"] <= p["span_s_per_step"], p
+    # every kernel of the step is listed (an inventory), not only the costliest
+    assert sum(t["calls_per_step"] for t in p["top"]) == pytest.approx(p["kernels_per_step"])
     lines = RM.profile_lines([x], label=lambda y: "decode", key="decode_profile")
     assert lines and lines[0].startswith("profile decode")
 

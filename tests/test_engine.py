@@ -190,7 +190,7 @@ def test_cuda_copy_engine_equals_reference_copies(setup, mode):
     """On the GPU: the UVA gather (sparda: asynchronous start/wait, one lane per payload) and the
     in-place write-back of completed blocks give the reference copy path's logits and counts.
     Both copy paths are also held to the resident run (no copies), so that a mismatch says which
-    path moved (one run in ~20 once differed by 1.3e-4 from step 9 on and did not repeat)."""
+    path moved."""
     cuda, c1, s1 = _run(setup, mode, copy_impl="cuda")
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     resident = np.asarray(_run(setup, mode, resident=True)[0])

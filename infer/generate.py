@@ -142,9 +142,7 @@ def generate(params, config: ModelConfig, prompts: Sequence[Sequence[int]], samp
     if on_step is not None:
         on_step(out)
     if engine is not None:
-        from .engine import engine_offload
-
-        state = engine_offload(state)
+        state = engine_offload(state)  # imported with the engine's prefill above
     if steps_per_call > 1:
         return _generate_in_calls(params, config, state, nxt, key, positions, out, done, stop, stats, sampling,
                                   steps_per_call, on_step, return_stats, run, engine)

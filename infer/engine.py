@@ -11,7 +11,7 @@ Where data lives (docs/algorithm.md, "The offload pipeline"):
 
 Each layer is `sparda_jax.pipeline.layer_step`; layers 1..L-1 read through `OffloadKV`: select,
 keep the resident blocks, copy the missing ones from the host into free slots
-(`blockcache.assign_slots`), write the new token into its block's slot, attend through the slot
+(`sparda_jax.ops.copy_plan`), write the new token into its block's slot, attend through the slot
 table. In `sparda` the copy for layer l+1 is started during layer l (its Forecast F_l is known
 there) and waited for in layer l+1; `sparda_sync` copies at layer l. A block reaches the host when
 prefill writes it or when decode completes it (`scatter_blocks`); until then it lives in its slot,
@@ -38,6 +38,7 @@ from sparda_jax.model import (DecoderLayer, check_layers, commit_to_params_devic
                               stacked, unembed)
 from sparda_jax.modes import (check_lead_forecast, decode_program, decode_step_plan, layer_inputs, layered_state,
                               prefill)
+from sparda_jax.ops.copy_plan import plan_copies
 from sparda_jax.pipeline import Ctx, DecodeState, KeySide, LayerIn, Plan, layer_step, partial_keys, run_layers, \
     select_blocks
 from sparda_jax.programs import stored_jit
@@ -48,7 +49,6 @@ from sparda_jax.kernels.kv_copy import (FFI_IMPLEMENTATIONS, KVCopyConfig, after
                                         lane_ctas, paper_num_ctas, resolve_implementation, scatter_blocks)
 from sparda_jax.kernels.kv_copy.cuda import register as register_copy_targets
 
-from .blockcache import assign_slots
 from .generate import sample_next
 
 __all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
@@ -262,22 +262,6 @@ class _Run:
 BLOCK_NDIM = 2
 
 
-def _copy_tasks(run: _Run, host: dict, row, a, ids, n_slots: int):
-    """The task lists of one layer's copy (`row`: its row of the host pools): task (b, k, i)
-    copies block ids[b, k, i] into slot a.slots[b, k, i] when a.copy says so (-1: no task). The
-    CUDA copy reads the whole pool in place, so its sources index all layers; the reference
-    slices the layer first."""
-    b, kh, nb = host["k"].shape[1:4]
-    bi = jnp.arange(b)[:, None, None]
-    hi = jnp.arange(kh)[None, :, None]
-    dst = jnp.where(a.copy, (bi * kh + hi) * n_slots + a.slots, -1).reshape(-1)
-    if run.copy in FFI_IMPLEMENTATIONS:  # one pool of every layer: the offset is in the ids
-        src = jnp.where(a.copy, ((row * b + bi) * kh + hi) * nb + ids, -1).reshape(-1)
-    else:
-        src = jnp.where(a.copy, (bi * kh + hi) * nb + ids, -1).reshape(-1)
-    return src.astype(jnp.int32), dst.astype(jnp.int32)
-
-
 def _gather_blocks(run: _Run, host: dict, row, src, dst, cache_l: dict, *, start: bool) -> dict:
     """Copy the tasks (src, dst) of the layer in pool row `row` from the host pools into the layer's
     cache slots, every payload by the same task list: synchronously in one call, or with start
@@ -332,8 +316,7 @@ class Fetched(struct.PyTreeNode):
     slots: jax.Array     # [B, K, n]
     cache: dict          # payload -> [B, K, n_slots, bs, X]
     table: jax.Array     # [B, K, n_slots]
-    n_copies: jax.Array
-    src: jax.Array       # the copy's task lists (kept alive until its wait)
+    src: jax.Array       # the copy's task lists (kept alive until its wait; -1: no task)
     dst: jax.Array
     token: jax.Array | None = None  # a started copy's order token (`_after_start`), for its wait
 
@@ -388,11 +371,13 @@ class OffloadKV(struct.PyTreeNode):
             # the no-reuse baseline copies every selected block, except the one being written:
             # its newest tokens exist only in its slot until the block completes
             table = jnp.where(table == (pos // run.plan.config.sparse.block_size)[:, None, None], table, -1)
-        a = assign_slots(table, ids)
-        src, dst = _copy_tasks(run, self.host, self.row, a, ids, table.shape[-1])
-        src = jnp.where(self.active, src, -1)
+        # the CUDA copy reads the pool of every layer in place: its sources start at the layer's row
+        b, kh, nb = self.host["k"].shape[1:4]
+        offset = self.row * (b * kh * nb) if run.copy in FFI_IMPLEMENTATIONS else 0
+        p = plan_copies(table, ids, offset, n_blocks=nb, implementation=run.plan.implementations.copy_plan)
+        src, dst = jnp.where(self.active, p.src, -1).reshape(-1), p.dst.reshape(-1)
         cache = _gather_blocks(run, self.host, self.row, src, dst, st.cache, start=start)
-        return Fetched(ids, a.slots, cache, a.table, jnp.where(self.active, a.n_copies, 0), src, dst)
+        return Fetched(ids, p.slots, cache, p.table, src, dst)
 
     def prefetch(self, plan: Plan, ctx: Ctx, lin: LayerIn, h, q):
         """sparda: this (next) layer's blocks from the previous layer's h (its Forecast kernel in
@@ -429,7 +414,8 @@ class OffloadKV(struct.PyTreeNode):
             q, cache["k"].astype(q.dtype), cache["v"].astype(q.dtype), f.slots[:, :, None], f.ids[:, :, None],
             ctx.positions, block_size=bs, bias_pool=cache["cis"][..., 0] if "cis" in cache else None,
             implementation=plan.implementations.sparse_attention)
-        info = {"copied_blocks": f.n_copies, "selected_blocks": jnp.sum(f.ids >= 0)}
+        # per-layer masks, summed once a step (`_engine_decode_impl`): a sum here is a kernel a layer
+        info = {"copied_blocks": f.src >= 0, "selected_blocks": (f.ids >= 0).reshape(-1)}
         return attn, self.replace(state=self.state.replace(cache=cache, table=f.table)), info
 
 

@@ -191,7 +191,7 @@ def _budget_within_cache(config: ModelConfig, cache_size: int) -> ModelConfig:
     A clamp, not a refusal: selection sorts its ids and pads with -1 past the causal blocks, so
     any budget >= the cache's blocks selects every visible block, and the smaller one selects
     the same blocks. It only bounds what is sized by the budget (the selection's ids, the block
-    cache's slots and `assign_slots`' [topk, n_slots] masks): a budget of 100000 on a 38-token
+    cache's slots and the copy plan's [topk, n_slots] masks): a budget of 100000 on a 38-token
     prompt would otherwise allocate gigabytes. Refusing a budget past the model's whole context
     is the caller's choice (the CLI does).
     """

@@ -109,6 +109,7 @@ IMPLEMENTATION_NAMES: dict[str, tuple[str, ...]] = {
     "sparse_attention": ("xla", "mosaic_gpu", "mosaic_gpu_interpret"),
     "select": ("xla", "mosaic_gpu", "mosaic_gpu_interpret"),
     "kv_copy": ("xla", "host_ffi", "cuda"),
+    "copy_plan": ("xla", "triton", "triton_interpret"),
 }
 
 
@@ -125,6 +126,7 @@ class Implementations:
     sparse_attention: str | None = None
     select: str | None = None
     kv_copy: str | None = None
+    copy_plan: str | None = None
 
     def __post_init__(self):
         for name, allowed in IMPLEMENTATION_NAMES.items():

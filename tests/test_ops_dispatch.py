@@ -12,6 +12,7 @@ from conftest import has_gpu
 from sparda_jax.config import IMPLEMENTATION_NAMES
 from sparda_jax.ops._dispatch import Registry
 from sparda_jax.ops.block_select import api as select_api
+from sparda_jax.ops.copy_plan import api as plan_api
 from sparda_jax.ops.dense_attention import api as dense_api
 from sparda_jax.ops.sparse_attention import api as sparse_api
 
@@ -19,7 +20,7 @@ from sparda_jax.ops.sparse_attention import api as sparse_api
 @pytest.mark.parametrize("registry,op", [
     (dense_api.BACKENDS, "dense_attention"), (sparse_api.BACKENDS, "sparse_attention"),
     (sparse_api.PAGED_BACKENDS, "sparse_attention"), (select_api.INFLLMV2_BACKENDS, "select"),
-    (select_api.FORECAST_BACKENDS, "select")])
+    (select_api.FORECAST_BACKENDS, "select"), (plan_api.BACKENDS, "copy_plan")])
 def test_each_op_registers_the_contract_names(registry, op):
     assert set(registry.backends) == set(IMPLEMENTATION_NAMES[op])
 

@@ -1,15 +1,20 @@
-"""Slot assignment of the device block cache, against a plain loop, plus paged attention."""
+"""The decode step's copy plan (`sparda_jax.ops.copy_plan`): slot assignment against a plain
+loop, the task lists, the Triton kernel against the jnp reference (interpreted on the CPU,
+compiled on a GPU), plus paged attention."""
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import has_gpu
 
 import selection_ref as ref
+from kernel_base import gpu
 from sparda_jax.attention import paged_sparse_attention_reference, sparse_attention_reference
-from sparda_jax.infer.blockcache import assign_slots, empty_table
+from sparda_jax.ops.copy_plan import assign_slots, empty_table, plan_copies, plan_copies_reference
 
 
 def _loop(table, wanted):
@@ -64,6 +69,84 @@ def test_assign_slots_matches_loop_over_many_steps():
 def test_assign_slots_rejects_small_cache():
     with pytest.raises(ValueError, match="at least as many slots"):
         assign_slots(empty_table((1,), 3), jnp.zeros((1, 4), jnp.int32))
+
+
+def _random_steps(rng, rows: tuple[int, int], n_slots: int, n: int, nb: int, steps: int):
+    """(table, wanted) of `steps` consecutive decode steps on one cache: each step's table is the
+    reference's after the step before, wanted ascending unique ids of 1..n blocks, -1 padded."""
+    table = np.asarray(empty_table(rows, n_slots))
+    for _ in range(steps):
+        wanted = np.full((*rows, n), -1, np.int32)
+        for r in np.ndindex(rows):
+            k = rng.integers(1, n + 1)
+            wanted[r][:k] = np.sort(rng.choice(nb, k, replace=False))
+        yield jnp.asarray(table), jnp.asarray(wanted)
+        table = np.asarray(assign_slots(jnp.asarray(table), jnp.asarray(wanted)).table)
+
+
+def test_plan_tasks_copy_the_missing_blocks_into_their_slots():
+    """The task lists name each missing block's place in the host pool and its slot's place in
+    the cache, -1 for the rest; one copy per missing block."""
+    rng = np.random.default_rng(3)
+    b, kh, s, n, nb, off = 2, 3, 9, 6, 20, 1000
+    for table, wanted in _random_steps(rng, (b, kh), s, n, nb, 6):
+        a = assign_slots(table, wanted)
+        p = plan_copies_reference(table, wanted, off, n_blocks=nb)
+        np.testing.assert_array_equal(p.table, a.table)
+        np.testing.assert_array_equal(p.slots, a.slots)
+        for i, j, t in np.ndindex(b, kh, n):
+            if a.copy[i, j, t]:
+                assert p.src[i, j, t] == off + (i * kh + j) * nb + wanted[i, j, t]
+                assert p.dst[i, j, t] == (i * kh + j) * s + a.slots[i, j, t]
+            else:
+                assert p.src[i, j, t] == -1 and p.dst[i, j, t] == -1
+        assert int(p.n_copies) == int(a.n_copies)
+
+
+@pytest.mark.parametrize("rows,n_slots,n,nb", [((2, 3), 24, 24, 65), ((1, 2), 10, 6, 16), ((3, 1), 7, 5, 9)])
+def test_triton_plan_equals_reference_interpreted(rows, n_slots, n, nb):
+    """Bit-equal to the jnp reference over consecutive steps, at SmolLM2's 4K geometry (24 slots,
+    24 wanted of 65 blocks) and at sizes that are not powers of two (the kernel pads)."""
+    rng = np.random.default_rng(sum(rows) + n_slots)
+    for table, wanted in _random_steps(rng, rows, n_slots, n, nb, 8):
+        off = int(rng.integers(0, 10_000))
+        want = plan_copies(table, wanted, off, n_blocks=nb, implementation="xla")
+        got = plan_copies(table, wanted, off, n_blocks=nb, implementation="triton_interpret")
+        chex.assert_trees_all_equal(got, want)
+
+
+def test_plan_rejects_bad_inputs():
+    t, w = empty_table((1, 2), 4), jnp.zeros((1, 2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="at least as many slots"):
+        plan_copies(t, jnp.zeros((1, 2, 5), jnp.int32), n_blocks=8)
+    with pytest.raises(TypeError, match="int32"):
+        plan_copies(t.astype(jnp.int16), w, n_blocks=8)
+    with pytest.raises(ValueError, match="share B, K"):
+        plan_copies(t, jnp.zeros((2, 2, 3), jnp.int32), n_blocks=8)
+    with pytest.raises(ValueError, match="n_blocks"):
+        plan_copies(t, w, n_blocks=0)
+    with pytest.raises(TypeError, match="integer scalar"):
+        plan_copies(t, w, jnp.zeros(2, jnp.int32), n_blocks=8)
+
+
+@pytest.mark.skipif(has_gpu(), reason="on a GPU the kernel runs compiled")
+def test_triton_plan_needs_a_gpu():
+    with pytest.raises(NotImplementedError, match="GPU"):
+        plan_copies(empty_table((1, 1), 4), jnp.zeros((1, 1, 2), jnp.int32), n_blocks=8, implementation="triton")
+
+
+@gpu
+@pytest.mark.parametrize("rows,n_slots,n,nb", [((1, 3), 24, 24, 65), ((8, 3), 24, 24, 129), ((4, 2), 96, 96, 2048),
+                                               ((3, 1), 7, 5, 9)])
+def test_triton_plan_equals_reference_compiled(rows, n_slots, n, nb):
+    """Compiled: bit-equal to the reference, at SmolLM2's 4K and 8K geometries, MiniCPM's budget
+    (96 slots of 2048 blocks) and a size that is not a power of two (masked edge blocks)."""
+    rng = np.random.default_rng(n_slots + nb)
+    for table, wanted in _random_steps(rng, rows, n_slots, n, nb, 8):
+        off = int(rng.integers(0, 10_000))
+        want = plan_copies(table, wanted, off, n_blocks=nb, implementation="xla")
+        got = plan_copies(table, wanted, off, n_blocks=nb, implementation="triton")
+        chex.assert_trees_all_equal(got, want)
 
 
 def test_paged_attention_equals_contiguous():

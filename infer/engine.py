@@ -496,7 +496,9 @@ def _flush_completed(run: _Run, state: OffloadState, pos) -> OffloadState:
     done = (pos % bs) == bs - 1  # [B]
     blk = pos // bs
     offloaded = state.offloaded
-    slot = jnp.stack([jnp.argmax(ly.table == blk[:, None, None], axis=-1) for ly in offloaded])  # [L_off, B, K]
+    # one reduction over the stacked tables (a reduction per layer was a kernel per layer)
+    tables = jnp.stack([ly.table for ly in offloaded])  # [L_off, B, K, n_slots]
+    slot = jnp.argmax(tables == blk[None, :, None, None], axis=-1)  # [L_off, B, K]
     l1, b, kh = slot.shape
     nb = state.host["k"].shape[3]
     row = jnp.arange(l1 * b * kh).reshape(l1, b, kh)  # (layer, sequence, KV head)

@@ -169,10 +169,31 @@ def pretend_h100():
         get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0"))
 
 
-def count_system(system: str, args, implementations, cfg, params, forecast) -> dict:
-    import jax
+def prefilled(system: str, args, implementations, cfg, params, forecast):
+    """(run, state) of a decode step after a CPU prefill of `--context` tokens: the static plan
+    (the resident systems'; an offload system's is made in `count_system`) and the state."""
     import jax.numpy as jnp
     import numpy as np
+
+    from sparda_jax.config import Implementations
+    from sparda_jax.infer import engine as E
+
+    b, t = args.batch, args.context
+    resident = system in E.RESIDENT_SYSTEMS
+    cpu = E.EngineConfig(system, implementations=Implementations() if resident else Implementations(kv_copy="xla"))
+    _, st = E.engine_prefill(params, jnp.ones((b, t), jnp.int32), jnp.full((b,), t, jnp.int32), cfg, cpu,
+                             cache_size=t + 64, forecast=forecast, dtype=jnp.bfloat16)
+    if not resident:
+        return None, st
+    positions = np.tile(np.arange(t, t + args.steps)[:, None], (1, b)).astype(np.int32)
+    eng = E.EngineConfig(system, implementations=Implementations(**implementations))
+    return E.resolve(params, positions, st, cfg, eng, forecast=forecast, dtype=jnp.bfloat16)
+
+
+def count_system(system: str, args, implementations, cfg, params, forecast, run, st) -> dict:
+    """The kernels of one decode step of `system` (after `pretend_h100`)."""
+    import jax
+    import jax.numpy as jnp
     from jax.experimental import topologies
     from jax.sharding import NamedSharding, PartitionSpec
 
@@ -180,46 +201,30 @@ def count_system(system: str, args, implementations, cfg, params, forecast) -> d
     from sparda_jax.infer import engine as E
     from sparda_jax.pipeline import Plan
 
-    dt = jnp.bfloat16
     b, t, n = args.batch, args.context, args.steps
-    resident = system in E.RESIDENT_SYSTEMS
-    tokens = jnp.ones((b, t), jnp.int32)
-    cpu = E.EngineConfig(system, implementations=Implementations() if resident else Implementations(kv_copy="xla"))
-    _, st = E.engine_prefill(params, tokens, jnp.full((b,), t, jnp.int32), cfg, cpu, cache_size=t + 64,
-                             forecast=forecast, dtype=dt)
-    positions = np.tile(np.arange(t, t + n)[:, None], (1, b)).astype(np.int32)
-    impl = dict(implementations)
-    if not resident:
-        impl.setdefault("kv_copy", "cuda")
-    eng = E.EngineConfig(system, implementations=Implementations(**impl))
-    if resident:
-        run, st = E.resolve(params, positions, st, cfg, eng, forecast=forecast, dtype=dt)
-
     topo = topologies.get_topology_desc(platform="cuda", target_config=H100, topology="1x1x1")
     mesh = topologies.make_mesh(topo, (1,), ("d",))
     dev, host = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec(), memory_kind="pinned_host")
     abstract = lambda tree, s=dev: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree)
-    if resident:
+    if system in E.RESIDENT_SYSTEMS:
         state = abstract(st)
     else:
-        state = st.replace(l0=abstract(st.l0), host=abstract(st.host, host), layers=abstract(st.layers))
-    pretend_h100()
-    if not resident:
         from sparda_jax.kernels.kv_copy.cuda import register
 
         register("cuda")  # builds the copy library with nvcc: its targets must exist to compile
-        run = E._Run(Plan(cfg, eng.selector, False, jnp.dtype(dt), eng.implementations), eng, "cuda", 16)
+        eng = E.EngineConfig(system, implementations=Implementations(**{"kv_copy": "cuda", **implementations}))
+        run = E._Run(Plan(cfg, eng.selector, False, jnp.dtype(jnp.bfloat16), eng.implementations), eng, "cuda", 16)
+        state = st.replace(l0=abstract(st.l0), host=abstract(st.host, host), layers=abstract(st.layers))
     lowered = E._engine_decode_loop.jitted.lower(
         abstract(params), jax.ShapeDtypeStruct((b,), jnp.int32, sharding=dev),
-        jax.ShapeDtypeStruct(positions.shape, jnp.int32, sharding=dev), state, abstract(forecast), None,
+        jax.ShapeDtypeStruct((n, b), jnp.int32, sharding=dev), state, abstract(forecast), None,
         jax.ShapeDtypeStruct((n, 2), jnp.uint32, sharding=dev), run=run, sampling=(0.0, 1.0))
     hlo = Hlo(lowered.compile().as_text())
     body = hlo.kernels(hlo.loop_body())
     by_op = collections.Counter(op.split(":")[0] if op.startswith("fusion") else op for op, _ in body)
     by_source = collections.Counter(src for _, src in body)
-    layers = cfg.num_layers
     return {"system": system, "context": t, "batch": b, "kernels_per_step": len(body),
-            "kernels_per_layer": round(len(body) / layers, 2), "by_op": dict(by_op.most_common()),
+            "kernels_per_layer": round(len(body) / cfg.num_layers, 2), "by_op": dict(by_op.most_common()),
             "by_source": dict(by_source.most_common(args.top))}
 
 
@@ -236,9 +241,13 @@ def main(argv=None) -> int:
     params = layered_params(init_params(cfg, jax.random.key(0), jax.numpy.bfloat16))
     forecast = init_forecast(cfg, jax.random.key(2), jax.numpy.bfloat16)
     env = environment()  # before the dispatch is made to see a GPU
+    impl = dict(args.implementation)
+    # every CPU prefill before the dispatch is made to see a GPU
+    states = {system: prefilled(system, args, impl, cfg, params, forecast) for system in args.systems}
+    pretend_h100()
     rows = []
     for system in args.systems:
-        r = count_system(system, args, dict(args.implementation), cfg, params, forecast)
+        r = count_system(system, args, impl, cfg, params, forecast, *states[system])
         r.update(label=args.label, implementations=dict(args.implementation), commit=env["commit"],
                  dirty=env["dirty"])
         print(f"{system:16s} {r['kernels_per_step']:5d} kernels a step ({r['kernels_per_layer']} a layer)", flush=True)

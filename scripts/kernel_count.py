@@ -12,10 +12,10 @@ Needs jax's CUDA plugin beside the project's environment (not a project dependen
 
 What it measures: the launch count that the decode step's host time follows (docs/decisions.md,
 "The real model's decode ratio follows its kernel count"). It is a proxy: without a device XLA
-skips autotuning and cuDNN (dense attention is the jnp path here), so dense_resident counts
-~5 kernels a layer more than its profile on the GPU; the sparse systems' bookkeeping compiles
-the same way on both. Weights are random (the shapes are SmolLM2's); the state comes from a CPU
-prefill of `--context` tokens.
+skips autotuning, and the profile on the GPU also counts memcpys; at e2ef356 it gave 565, 1379
+and 1576 kernels a step for dense_resident, sparse and sparda against 616, 1460 and 1600 in
+an H200 profile at 55fdccb (`realmodel/decode_profile.json`). Weights are random
+(the shapes are SmolLM2's); the state comes from a CPU prefill of `--context` tokens.
 
 The library picks backends from the default device, which is the CPU here: the script makes its
 dispatch see an H100 (`hopper_gpu`, `on_cuda`, the default backend, Triton's GPU info) after the
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
                             "body in XLA's deviceless H100 compile: one decode step",
         "kernels_per_layer": "kernels_per_step / the model's layers",
         "by_source": "kernels per source line that made them (the innermost frame outside site-packages)"},
-        "target": "NVIDIA H100 (deviceless: no autotuning, dense attention on its jnp path)",
+        "target": "NVIDIA H100 (deviceless: no autotuning)",
         "model": "smollm2-135m shapes, random bf16 weights", "environment": env, "rows": []}
     if os.path.exists(args.out):
         with open(args.out) as f:

@@ -305,4 +305,4 @@ def test_forced_backends_reach_every_cell_and_the_json(tiny, monkeypatch):
     assert r["rows"][0]["status"] == "ok", r["rows"][0]
     assert seen and all(x == forced for x in seen)  # the cold run and each warm prefill
     assert r["config"]["implementations"] == {"dense_attention": None, "sparse_attention": "xla", "select": "xla",
-                                              "kv_copy": None}
+                                              "kv_copy": None, "copy_plan": None}

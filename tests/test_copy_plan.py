@@ -103,16 +103,21 @@ def test_plan_tasks_copy_the_missing_blocks_into_their_slots():
         assert int(p.n_copies) == int(a.n_copies)
 
 
+def _check_equals_reference(implementation: str, rows, n_slots: int, n: int, nb: int) -> None:
+    """The backend's plan is bit-equal to the reference's over 8 consecutive random steps."""
+    rng = np.random.default_rng(sum(rows) + n_slots + nb)
+    for table, wanted in _random_steps(rng, rows, n_slots, n, nb, 8):
+        off = int(rng.integers(0, 10_000))
+        want = plan_copies(table, wanted, off, n_blocks=nb, implementation="xla")
+        got = plan_copies(table, wanted, off, n_blocks=nb, implementation=implementation)
+        chex.assert_trees_all_equal(got, want)
+
+
 @pytest.mark.parametrize("rows,n_slots,n,nb", [((2, 3), 24, 24, 65), ((1, 2), 10, 6, 16), ((3, 1), 7, 5, 9)])
 def test_triton_plan_equals_reference_interpreted(rows, n_slots, n, nb):
     """Bit-equal to the jnp reference over consecutive steps, at SmolLM2's 4K geometry (24 slots,
     24 wanted of 65 blocks) and at sizes that are not powers of two (the kernel pads)."""
-    rng = np.random.default_rng(sum(rows) + n_slots)
-    for table, wanted in _random_steps(rng, rows, n_slots, n, nb, 8):
-        off = int(rng.integers(0, 10_000))
-        want = plan_copies(table, wanted, off, n_blocks=nb, implementation="xla")
-        got = plan_copies(table, wanted, off, n_blocks=nb, implementation="triton_interpret")
-        chex.assert_trees_all_equal(got, want)
+    _check_equals_reference("triton_interpret", rows, n_slots, n, nb)
 
 
 def test_plan_rejects_bad_inputs():
@@ -141,12 +146,7 @@ def test_triton_plan_needs_a_gpu():
 def test_triton_plan_equals_reference_compiled(rows, n_slots, n, nb):
     """Compiled: bit-equal to the reference, at SmolLM2's 4K and 8K geometries, MiniCPM's budget
     (96 slots of 2048 blocks) and a size that is not a power of two (masked edge blocks)."""
-    rng = np.random.default_rng(n_slots + nb)
-    for table, wanted in _random_steps(rng, rows, n_slots, n, nb, 8):
-        off = int(rng.integers(0, 10_000))
-        want = plan_copies(table, wanted, off, n_blocks=nb, implementation="xla")
-        got = plan_copies(table, wanted, off, n_blocks=nb, implementation="triton")
-        chex.assert_trees_all_equal(got, want)
+    _check_equals_reference("triton", rows, n_slots, n, nb)
 
 
 def test_paged_attention_equals_contiguous():

@@ -107,6 +107,9 @@ FILES = {
                                                        "two scatters and cumsum (decision: the prefill's union)",
     "realmodel/realmodel.json": "58364e4: SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's grid; the "
                                 "480 s budget skipped the last two 8K batch-8 cells)",
+    "realmodel/kernel_count.json": "kernels of one decode step (SmolLM2 shapes, 4K batch 1) in XLA's deviceless H100 "
+                                    "compile on a CPU (scripts/kernel_count.py): e2ef356, then the copy plan's rows "
+                                    "with copy_plan=xla and =triton, each row with its commit",
     "realmodel/infinigen_prefill.json": "58364e4, 4K batch 1, Dense+, Sparse, InfiniGen with --profile-prefill: "
                                         "InfiniGen's two scoring passes against the rest of its prefill",
     "realmodel/infinigen_default_b1.json": "731b82d's tree (recorded as its parent 15799fb: .commit was written before "

@@ -4,7 +4,7 @@ Reference: `reference.plan_copies_reference` (same contract, bit-equal outputs).
 per (sequence, KV head) holds its table [S] and wanted ids [N] in registers, padded to powers of
 two, and computes the assignment with [N, S] and [N, N] / [S, S] comparison tiles: each rank
 the reference takes as a masked triangle sum is a row sum here. It replaces the reference's
-seven-to-nine small XLA kernels a layer by one (Triton, not Mosaic GPU: integer tiles of a few
+eight small XLA kernels a layer by one (Triton, not Mosaic GPU: integer tiles of a few
 dozen lanes, no tensor cores).
 """
 

@@ -107,7 +107,7 @@ def check_instance(cls: str, name: str, value, types, *, none_ok: bool = False) 
 IMPLEMENTATION_NAMES: dict[str, tuple[str, ...]] = {
     "dense_attention": ("xla", "cudnn"),
     "sparse_attention": ("xla", "mosaic_gpu", "mosaic_gpu_interpret"),
-    "select": ("xla", "mosaic_gpu", "mosaic_gpu_interpret"),
+    "select": ("xla", "mosaic_gpu", "mosaic_gpu_interpret", "triton", "triton_interpret"),
     "kv_copy": ("xla", "host_ffi", "cuda"),
     "copy_plan": ("xla", "triton", "triton_interpret"),
 }

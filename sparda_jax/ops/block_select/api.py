@@ -7,16 +7,21 @@ Backends:
                          causal rules, then a top-k without sort): bf16/f16, head dim 64 or 128,
                          <= 2048 blocks, exact LSE;
   "mosaic_gpu_interpret" the same kernels under `plgpu.InterpretGPUParams()` (CPU; tests), for
-                         any head dim that is a multiple of 64.
+                         any head dim that is a multiple of 64;
+  "triton"               the reference's scoring, then its top-k stage as one Pallas Triton kernel
+                         (`topk_triton.py`) on a GPU: rows of <= 256 blocks (small models'
+                         decode); "triton_interpret" the same under Pallas' interpreter.
 Default order: prefill (Tq > 1) "mosaic_gpu", "xla"; decode (Tq == 1) "xla" alone, the faster
 there. InfiniGen's Mosaic selector (`infinigen_mgpu.py`: partial dims <= 64, 64-token blocks,
-16-bit kernel_dtype) follows the same order. A Mosaic backend raises NotImplementedError for
-inputs outside its envelope, and the default order then falls back to "xla".
+16-bit kernel_dtype) follows the same order. A Mosaic or Triton backend raises
+NotImplementedError for inputs outside its envelope, and the default order then falls back to
+"xla". "triton" is taken by name only until its compiled test and a decode timing run.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +118,39 @@ def _infinigen_mosaic(implementation):
                                 interpret=interpret_params(implementation))
     return run
 
+
+def _triton_finalize(implementation: str, nb: int):
+    """The Triton top-k as a `finalize` of the reference selectors; NotImplementedError outside
+    its envelope (a GPU, or the interpreter; rows of <= MAX_BLOCKS blocks)."""
+    from .topk_triton import MAX_BLOCKS, finalize_topk_triton
+
+    if implementation == "triton" and jax.default_backend() != "gpu":
+        raise NotImplementedError("the Triton top-k needs a GPU (or 'triton_interpret')")
+    if nb > MAX_BLOCKS:
+        raise NotImplementedError(f"the Triton top-k takes rows of <= {MAX_BLOCKS} blocks, got {nb}")
+    return functools.partial(finalize_topk_triton, interpret=implementation == "triton_interpret")
+
+
+def _triton(implementation: str):
+    """The reference selectors' scoring in XLA, their top-k stage in one Triton kernel."""
+    def infllmv2(q, kc, q_positions, sparse, *, kc_coarse, n_blocks, q_chunk):
+        return select_blocks_infllmv2_reference(q, kc, q_positions, sparse, kc_coarse=kc_coarse, n_blocks=n_blocks,
+                                                q_chunk=q_chunk, finalize=_triton_finalize(implementation, n_blocks))
+
+    def forecast(f, kc, q_positions, sparse, *, n_blocks, q_chunk):
+        return select_blocks_forecast_reference(f, kc, q_positions, sparse, n_blocks=n_blocks, q_chunk=q_chunk,
+                                                finalize=_triton_finalize(implementation, n_blocks))
+
+    def infinigen(qp, pk, q_positions, sparse, *, head_dim, n_blocks, q_chunk, kernel_dtype):
+        return select_blocks_infinigen_reference(qp, pk, q_positions, sparse, head_dim=head_dim, n_blocks=n_blocks,
+                                                 q_chunk=q_chunk, finalize=_triton_finalize(implementation, n_blocks))
+
+    return infllmv2, forecast, infinigen
+
+
+for _name in ("triton", "triton_interpret"):
+    for _registry, _fn in zip((INFLLMV2_BACKENDS, FORECAST_BACKENDS, INFINIGEN_BACKENDS), _triton(_name)):
+        _registry.register(_name)(_fn)
 
 for _name in ("mosaic_gpu", "mosaic_gpu_interpret"):
     INFLLMV2_BACKENDS.register(_name)(_infllmv2_mosaic(_name))

@@ -195,29 +195,32 @@ def check_infllmv2(q, kc, q_positions, sparse, kc_coarse, n_blocks) -> int:
 
 
 def select_blocks_infllmv2_reference(q, kc, q_positions, sparse: SparseConfig, *, kc_coarse=None,
-                                     n_blocks: int | None = None, q_chunk: int = 128) -> jax.Array:
+                                     n_blocks: int | None = None, q_chunk: int = 128,
+                                     finalize=finalize_topk) -> jax.Array:
     """InfLLM-V2 selection from the true queries, in jnp. q [B, Tq, H, D], kc [B, N_c, K, D] ->
     int32 [B, K, Tq, sparse.topk]. Exact LSE unless `kc_coarse` is given (see
-    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is a ValueError."""
+    `infllmv2_chunk_scores`); `sparse.exact_lse=False` without kc_coarse is a ValueError.
+    finalize: the last stage, `finalize_topk` or a kernel of its signature."""
     nb = check_infllmv2(q, kc, q_positions, sparse, kc_coarse, n_blocks)
 
     def one(qc, pc):
         s = infllmv2_chunk_scores(qc, kc, pc, sparse, kc_coarse if not sparse.exact_lse else None)
-        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
+        return finalize(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
 
     return _map_query_chunks(one, q_chunk, q, q_positions)
 
 
 def select_blocks_forecast_reference(f, kc, q_positions, sparse: SparseConfig, *, n_blocks: int | None = None,
-                                     q_chunk: int = 512) -> jax.Array:
-    """SparDA selection from the Forecast, in jnp. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk]."""
+                                     q_chunk: int = 512, finalize=finalize_topk) -> jax.Array:
+    """SparDA selection from the Forecast, in jnp. f [B, Tq, K, D] -> int32 [B, K, Tq, sparse.topk].
+    finalize: the last stage, as in `select_blocks_infllmv2_reference`."""
     _check_sparse(sparse)
     _check_forecast(f, kc, q_positions)
     nb = n_blocks or n_blocks_for(kc.shape[1], sparse)
 
     def one(fc, pc):
         s = forecast_chunk_scores(fc, kc, pc, sparse)
-        return finalize_topk(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
+        return finalize(pool_to_blocks(s, nb, sparse), pc, sparse.topk, sparse)
 
     return _map_query_chunks(one, q_chunk, f, q_positions)
 
@@ -277,11 +280,13 @@ def infinigen_chunk_scores(qp, pk, q_positions, sparse: SparseConfig, n_blocks: 
 
 
 def select_blocks_infinigen_reference(qp, pk, q_positions, sparse: SparseConfig, *, head_dim: int,
-                                      n_blocks: int | None = None, q_chunk: int = 64) -> jax.Array:
-    """Top-k blocks from InfiniGen's speculated token scores (see `infinigen_chunk_scores`)."""
+                                      n_blocks: int | None = None, q_chunk: int = 64,
+                                      finalize=finalize_topk) -> jax.Array:
+    """Top-k blocks from InfiniGen's speculated token scores (see `infinigen_chunk_scores`).
+    finalize: the last stage, as in `select_blocks_infllmv2_reference`."""
     nb = n_blocks or -(-pk.shape[1] // sparse.block_size)
 
     def one(qc, pc):
-        return finalize_topk(infinigen_chunk_scores(qc, pk, pc, sparse, nb, head_dim), pc, sparse.topk, sparse)
+        return finalize(infinigen_chunk_scores(qc, pk, pc, sparse, nb, head_dim), pc, sparse.topk, sparse)
 
     return _map_query_chunks(one, q_chunk, qp, q_positions)

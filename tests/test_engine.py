@@ -44,18 +44,20 @@ def setup_nosa():
     return _make(TINY_NOSA)
 
 
-def engine_config(mode, *, copy_impl=None, **kw) -> EngineConfig:
-    return EngineConfig(mode, implementations=Implementations(kv_copy=copy_impl), **kw)
+def engine_config(mode, *, copy_impl=None, kernels=None, **kw) -> EngineConfig:
+    """kernels: more `Implementations` fields, e.g. {"copy_plan": "triton_interpret"}."""
+    return EngineConfig(mode, implementations=Implementations(kv_copy=copy_impl, **(kernels or {})), **kw)
 
 
-def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None):
+def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None,
+         kernels=None):
     params, forecast, ig = setup
     b, t0 = 2, 70
     tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
     lengths = jnp.array([t0, t0 - 11], jnp.int32)
     prompt = jnp.where(jnp.arange(t0)[None] < lengths[:, None], tokens[:, :t0], 0)
     kw = dict(forecast=forecast, infinigen=ig)
-    eng = engine_config(mode, copy_impl=copy_impl, reuse=reuse, n_slots=n_slots)
+    eng = engine_config(mode, copy_impl=copy_impl, kernels=kernels, reuse=reuse, n_slots=n_slots)
     if resident:
         last, st = prefill(params, prompt, lengths, config, cache_size=t0 + steps, mode=selector_of(mode), **kw)
     else:
@@ -231,6 +233,19 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
     assert unaliased_copies("host_ffi") == (0, 0)
     ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
     np.testing.assert_allclose(ffi, ref, atol=2e-5)
+    assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+
+
+@pytest.mark.parametrize("copy_impl", ["xla", pytest.param("host_ffi", marks=needs_cxx)])
+@pytest.mark.parametrize("mode", ["sparse", "sparda", "infinigen"])
+def test_engine_on_the_triton_kernels_equals_the_xla_engine(setup, mode, copy_impl):
+    """The copy plan's and the top-k's Triton kernels (interpreted) inside the engine: the same
+    logits and counts as its jnp path, in the scan over layers (xla copy: a traced pool row) and
+    in the unrolled FFI path (the row offset in the task lists)."""
+    kernels = {"copy_plan": "triton_interpret", "select": "triton_interpret"}
+    got, c1, s1 = _run(setup, mode, copy_impl=copy_impl, kernels=kernels, steps=30)
+    want, c0, s0 = _run(setup, mode, copy_impl=copy_impl, steps=30)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
 
 

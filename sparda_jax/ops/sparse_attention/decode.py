@@ -309,8 +309,11 @@ def combine_splits(o, lse):
     -> the attention [B, K, G, D] f32 (an empty split, lse -inf, weighs 0)."""
     m = jnp.max(lse, axis=2, keepdims=True)
     m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp2(lse - m)                                   # 0 for empty splits
-    return jnp.sum(w[..., None] * o, axis=2) / jnp.maximum(jnp.sum(w, axis=2), 1e-30)[..., None]
+    w = jnp.exp2(lse - m)[..., None]                        # 0 for empty splits
+    # the weights ride as one more lane of o: one reduction gives numerator and denominator
+    # (two reductions were two kernels, every layer of every decode step)
+    t = jnp.sum(jnp.concatenate([w * o, w], axis=-1), axis=2)
+    return t[..., :-1] / jnp.maximum(t[..., -1:], 1e-30)
 
 
 def _check(q, k, v, ids, pos):

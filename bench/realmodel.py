@@ -145,14 +145,14 @@ def _copy_libraries() -> set[str]:
 
 def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int, k: int,
           profile_prefill: bool = False, implementations: Implementations = Implementations(),
-          profile_decode: bool = False) -> dict:
+          profile_decode: bool = False, copy_start: str = "lanes") -> dict:
     """One (system, prompts) cell: the timing and traffic fields of a row (see the module doc);
     with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`); with
     profile_decode, "decode_profile": one more warm generate traced from the end of its first
     decode call to its last token (the steady steps only); implementations: the ops' backends in
-    the system's engine."""
+    the system's engine; copy_start: its `EngineConfig.copy_start`."""
     kw = system_kwargs(extra, system)
-    kw["engine"] = dataclasses.replace(kw["engine"], implementations=implementations)
+    kw["engine"] = dataclasses.replace(kw["engine"], implementations=implementations, copy_start=copy_start)
     sampling = SamplingConfig(temperature=0.0, max_new_tokens=new_tokens)
     run = dict(dtype=model.dtype, steps_per_call=k, **kw)
     batch = len(prompts)
@@ -246,7 +246,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                     new_tokens: int = NEW_TOKENS, steps_per_call: int | None = None, seed: int = 0,
                     budget: Budget | None = None, out: str | Path | None = None, command: str | None = None,
                     log=None, progress: bool = True, profile_prefill: bool = False,
-                    implementations: Implementations = Implementations(), profile_decode: bool = False) -> dict:
+                    implementations: Implementations = Implementations(), profile_decode: bool = False,
+                    copy_start: str = "lanes") -> dict:
     """Run every (context, batch, system) cell, in that nesting order, and return the result dict
     (written to `out` after each cell when given): environment, config, compilation_cache,
     copy_libraries_at_start, definitions, rows (one per cell: system, context, prompt_tokens,
@@ -257,7 +258,8 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
     top kernels, host events: `bench.profile.summarize_trace`); profile_decode: each row's
     "decode_profile", the same for the steady decode steps of one more warm generate, listing every
     kernel (`DECODE_KERNELS`).
-    implementations: each op's backend in every cell (None fields: the op picks; in config).
+    implementations: each op's backend in every cell (None fields: the op picks; in config);
+    copy_start: the engine's `EngineConfig.copy_start` in every cell (in config).
     Raises ValueError (`check_inputs`) before any work; a cell's own failure is its row's error."""
     from tqdm import tqdm
 
@@ -277,7 +279,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                     "budget_s": budget.seconds, "max_position_embeddings": c.max_position_embeddings,
                     "block_size": c.sparse.block_size, "topk": c.sparse.topk,
                     "dense_layers": list(c.sparse.dense_layers),
-                    "implementations": dataclasses.asdict(implementations)},
+                    "implementations": dataclasses.asdict(implementations), "copy_start": copy_start},
          "compilation_cache": _compilation_cache(), "copy_libraries_at_start": sorted(_copy_libraries()),
          "definitions": {
              "steady_tokens_per_s": "tokens of all sequences per second over the full-size decode calls after the "
@@ -316,7 +318,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                 if len(prompts_by_len.get(n, ())) < b:
                     prompts_by_len[n] = make_prompts(model.tokenizer.encode, n, max(batches), seed)
                 row.update(_cell(model, prompts_by_len[n][:b], s, extra, new_tokens, k, profile_prefill,
-                                 implementations, profile_decode))
+                                 implementations, profile_decode, copy_start))
             except Exception as e:  # noqa: BLE001 - one failing cell must not stop the grid
                 msg = str(e).splitlines()[0][:400] if str(e) else ""
                 row.update(status="error", error=f"{type(e).__name__}: {msg}")
@@ -504,7 +506,8 @@ def main(args) -> int:
                         steps_per_call=args.steps_per_call, budget=budget, out=out,
                         command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill,
                         profile_decode=args.profile_decode,
-                        implementations=Implementations(**dict(args.implementation or ())))
+                        implementations=Implementations(**dict(args.implementation or ())),
+                        copy_start=getattr(args, "copy_start", None) or "lanes")
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])

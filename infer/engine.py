@@ -51,7 +51,7 @@ from sparda_jax.kernels.kv_copy.cuda import register as register_copy_targets
 
 from .generate import sample_next
 
-__all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
+__all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "COPY_STARTS", "EngineConfig", "OffloadState", "OffloadLayer", "engine_prefill",
            "engine_prefill_staged", "engine_offload", "StagedOffload",
            "engine_decode_step", "engine_decode_steps", "engine_generate_steps", "selector_of", "memory_report",
            "resolve", "offloaded_layers"]
@@ -59,6 +59,7 @@ __all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "EngineConfig", "OffloadState", "Offloa
 OFFLOAD_SYSTEMS = ("sparse", "infinigen", "sparda_sync", "sparda")
 RESIDENT_SYSTEMS = {"dense_resident": "dense", "sparse_resident": "sparse"}
 SYSTEMS = tuple(RESIDENT_SYSTEMS) + OFFLOAD_SYSTEMS
+COPY_STARTS = ("lanes", "one")
 
 
 def offloaded_layers(config: ModelConfig) -> tuple[int, ...]:
@@ -86,6 +87,9 @@ class EngineConfig:
     num_ctas: the copy kernel's CTA quota: None the paper's rule (16 below batch 32, else 32),
     "auto" the fastest of 8..64 timed once on this GPU, or a number. implementations: each op's
     backend (`kv_copy` None: the CUDA copy on a CUDA GPU, else the jnp reference).
+    copy_start: how sparda starts a layer's asynchronous copy: "lanes", one start per payload
+    (K, V, cis) on a side stream each, with its share of the quota; "one", every payload in
+    one start and one wait (fewer custom calls a layer, each a cut of XLA's CUDA graph).
     """
 
     system: str = "sparda"
@@ -93,9 +97,12 @@ class EngineConfig:
     reuse: bool = True
     num_ctas: int | str | None = None
     implementations: Implementations = Implementations()
+    copy_start: str = "lanes"
 
     def __post_init__(self):
         c = "EngineConfig"
+        if self.copy_start not in COPY_STARTS:
+            raise ConfigError(f"EngineConfig.copy_start: must be one of {COPY_STARTS}, got {self.copy_start!r}")
         if not isinstance(self.system, str) or self.system not in SYSTEMS:
             raise ConfigError(f"EngineConfig.system: must be one of {SYSTEMS}, got {self.system!r}")
         check_int(c, "n_slots", self.n_slots, lo=1, none_ok=True)
@@ -265,8 +272,9 @@ BLOCK_NDIM = 2
 def _gather_blocks(run: _Run, host: dict, row, src, dst, cache_l: dict, *, start: bool) -> dict:
     """Copy the tasks (src, dst) of the layer in pool row `row` from the host pools into the layer's
     cache slots, every payload by the same task list: synchronously in one call, or with start
-    as one asynchronous copy per payload, each on its own side-stream lane with its share of
-    the CTA quota (`_wait_blocks` completes them)."""
+    asynchronously (`EngineConfig.copy_start`: one start per payload on its own side-stream
+    lane with its share of the CTA quota, or one start of every payload); `_wait_blocks`
+    completes them."""
     names = list(cache_l)
     caches = [cache_l[n] for n in names]
     # the reference's layer keeps its leading dim (its blocks flatten in the same order): an
@@ -275,17 +283,20 @@ def _gather_blocks(run: _Run, host: dict, row, src, dst, cache_l: dict, *, start
     pools = [host[n] if run.copy in FFI_IMPLEMENTATIONS else jax.lax.dynamic_slice_in_dim(host[n], row, 1)
              for n in names]
     kw = dict(block_ndim=BLOCK_NDIM, implementation=run.copy)
-    if start:
+    if start and run.engine.copy_start == "lanes":
         ctas = lane_ctas(run.num_ctas, caches, block_ndim=BLOCK_NDIM)
         out = [gather_blocks_start(p, src, dst, c, lane=j, config=KVCopyConfig(num_ctas=n), **kw)
                for j, (p, c, n) in enumerate(zip(pools, caches, ctas))]
     else:
-        out = gather_blocks(tuple(pools), src, dst, tuple(caches), config=KVCopyConfig(num_ctas=run.num_ctas), **kw)
+        copy = gather_blocks_start if start else gather_blocks
+        out = copy(tuple(pools), src, dst, tuple(caches), config=KVCopyConfig(num_ctas=run.num_ctas), **kw)
     return dict(zip(names, out))
 
 
 def _wait_blocks(run: _Run, cache: dict, src, dst, after) -> dict:
     """The caches of a started copy once it is complete; `after` orders the wait after it."""
+    if run.engine.copy_start == "one":
+        return dict(zip(cache, gather_blocks_wait(tuple(cache.values()), src, dst, after, implementation=run.copy)))
     return {n: gather_blocks_wait(c, src, dst, after, implementation=run.copy) for n, c in cache.items()}
 
 
@@ -387,7 +398,8 @@ class OffloadKV(struct.PyTreeNode):
         ids = select_blocks(plan, ctx, lin._replace(first=False), None, h, h, self._keys(self.state))[:, :, 0]
         f = self.fetch(ids, ctx.positions[:, 0], start=self.run.async_copy)
         if self.run.async_copy:
-            q, tok = after_start(f.cache, q)
+            # one slice of each start's output orders q after that start
+            q, tok = after_start(f.cache if self.run.engine.copy_start == "lanes" else f.cache["k"], q)
             f = f.replace(token=tok)
         return f, q
 

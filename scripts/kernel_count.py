@@ -65,6 +65,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=7, help="decode steps per program (bench realmodel's default)")
     p.add_argument("--implementation", type=_implementation, nargs="+", default=[], metavar="OP=NAME")
+    p.add_argument("--copy-start", choices=("lanes", "one"), default="lanes", help="EngineConfig.copy_start")
     p.add_argument("--label", default="", help="a name for this configuration in the JSON")
     p.add_argument("--top", type=int, default=40, help="source lines kept per system")
     p.add_argument("--out", required=True, help="JSON to write (rows are appended to an existing file)")
@@ -212,7 +213,8 @@ def count_system(system: str, args, implementations, cfg, params, forecast, run,
         from sparda_jax.kernels.kv_copy.cuda import register
 
         register("cuda")  # builds the copy library with nvcc: its targets must exist to compile
-        eng = E.EngineConfig(system, implementations=Implementations(**{"kv_copy": "cuda", **implementations}))
+        eng = E.EngineConfig(system, implementations=Implementations(**{"kv_copy": "cuda", **implementations}),
+                             copy_start=args.copy_start)
         run = E._Run(Plan(cfg, eng.selector, False, jnp.dtype(jnp.bfloat16), eng.implementations), eng, "cuda", 16)
         state = st.replace(l0=abstract(st.l0), host=abstract(st.host, host), layers=abstract(st.layers))
     lowered = E._engine_decode_loop.jitted.lower(
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
     rows = []
     for system in args.systems:
         r = count_system(system, args, impl, cfg, params, forecast, *states[system])
-        r.update(label=args.label, implementations=dict(args.implementation), commit=env["commit"],
+        r.update(label=args.label, implementations=dict(args.implementation), copy_start=args.copy_start,
+                 commit=env["commit"],
                  dirty=env["dirty"])
         print(f"{system:16s} {r['kernels_per_step']:5d} kernels a step ({r['kernels_per_layer']} a layer)", flush=True)
         rows.append(r)

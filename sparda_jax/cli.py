@@ -522,6 +522,9 @@ _GPU_BENCHES = ("train", "copy", "select", "attention", "prefill", "decode", "ct
 
 
 def _cmd_bench(args) -> int:
+    if args.copy_start is not None and args.name != "realmodel":
+        # the full-depth decode benchmarks time the lanes alone (docs/decisions.md, "One payload per start")
+        raise SystemExit(f"sparda bench {args.name}: --copy-start is realmodel's (the lanes are the engine's default)")
     if args.name == "cta" and args.ctas and "auto" in args.ctas:
         raise SystemExit("sparda bench cta: --ctas takes counts; the sweep adds the autotuned choice itself")
     if args.name in _GPU_BENCHES:
@@ -830,6 +833,9 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel: force these backends in every cell (`sparda_jax.Implementations`), e.g. "
                          "sparse_attention=xla select=xla; recorded in the JSON's config")
+    bn.add_argument("--copy-start", choices=("lanes", "one"), default=None,
+                    help="realmodel: how sparda starts a layer's copy (EngineConfig.copy_start; default lanes): one "
+                         "start per payload on a lane each, or one start and one wait of every payload")
     bn.add_argument("--first-token-implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel, with --first-token: run those systems again with these backends forced "
                          "(generate --implementation), e.g. sparse_attention=xla select=xla")

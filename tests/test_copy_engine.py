@@ -126,8 +126,8 @@ def test_errors():
         gather_blocks((pools[0], pools[1][:30]), src, dst, caches[:2], implementation="xla")
     with pytest.raises(ValueError, match="1..4 payloads"):
         gather_blocks(pools + pools[:2], src, dst, caches + caches[:2], implementation="xla")
-    with pytest.raises(TypeError, match="one payload"):  # starts go one payload a lane
-        gather_blocks_start(pools, src, dst, caches, implementation="xla")
+    with pytest.raises(TypeError, match="both be arrays or both be tuples"):
+        gather_blocks_start(pools, src, dst, caches[0], implementation="xla")
     with pytest.raises(ValueError, match="lane must be in 0..3"):
         gather_blocks_start(pools[0], src, dst, caches[0], lane=4, implementation="xla")
 
@@ -216,7 +216,8 @@ def test_host_ffi_twin_equals_the_reference():
 @needs_cxx
 def test_host_ffi_twin_moves_payloads_in_one_call_and_starts_on_lanes():
     """K, V and a 256-byte cis payload: the synchronous gather and the write-back take all three
-    in one call; the starts take one each, on lanes 0..2, ordered by `after_start`'s token."""
+    in one call; the starts one each, on lanes 0..2, ordered by `after_start`'s token, or all
+    three in one start completed by one wait."""
     pools, src, dst, caches = _payload_case(13)
     src, dst = _out_of_range(src, dst, 40, 12)
     want = [_numpy_gather(p, src, dst, c) for p, c in zip(pools, caches)]
@@ -232,10 +233,20 @@ def test_host_ffi_twin_moves_payloads_in_one_call_and_starts_on_lanes():
         x = jnp.tanh(x)  # work the copies would hide behind
         return [gather_blocks_wait(c_, s, d, join_tokens(tok, x), implementation="host_ffi") for c_ in started], x
 
+    @jax.jit
+    def one(p, s, d, c, x):  # every payload in one start, completed by one wait
+        started = gather_blocks_start(p, s, d, c, config=KVCopyConfig(num_ctas=16), implementation="host_ffi")
+        x, tok = after_start(started[0], x)  # a slice of one cache orders after the whole start
+        x = jnp.tanh(x)
+        return gather_blocks_wait(started, s, d, join_tokens(tok, x), implementation="host_ffi"), x
+
     sw, _ = lanes(pools, src, dst, caches, jnp.ones((2, 2)))
-    for g, h, w in zip(got, sw, want):
+    so, _ = one(pools, src, dst, caches, jnp.ones((2, 2)))
+    assert isinstance(so, tuple) and len(so) == 3
+    for g, h, o, w in zip(got, sw, so, want):
         np.testing.assert_array_equal(np.asarray(g), w)
         np.testing.assert_array_equal(np.asarray(h), w)
+        np.testing.assert_array_equal(np.asarray(o), w)
     assert host_copies_in_flight() == 0
     slots, blocks = _out_of_range(dst, src, 12, 40)
     sc = jax.jit(lambda c, s, d, p: scatter_blocks(c, s, d, p, implementation="host_ffi"))(caches, slots, blocks, pools)
@@ -363,7 +374,8 @@ def test_cuda_start_wait_equals_reference_with_work_between():
 @pytest.mark.gpu
 def test_cuda_starts_on_lanes_and_payloads_in_one_launch_equal_reference():
     """K, V and a 256-byte cis payload as the engine moves them: started one per lane, each with
-    its share of the quota; the synchronous gather and the write-back all three in one launch."""
+    its share of the quota, or all three in one start and one wait; the synchronous gather and
+    the write-back all three in one launch."""
     pools, src, dst, caches = _payload_case(14, n_pool=3000, n_slots=800, n=700)
     src, dst = _out_of_range(src, dst, 3000, 800)
     hosts = tuple(_on_host(p) for p in pools)
@@ -380,8 +392,18 @@ def test_cuda_starts_on_lanes_and_payloads_in_one_launch_equal_reference():
             y = jnp.tanh(y @ w)
         return [gather_blocks_wait(x, s, d, join_tokens(tok, y[:1, :1]), implementation="cuda") for x in started]
 
+    @jax.jit
+    def one(p, s, d, c, w):  # every payload in one launch, one event, one wait
+        started = gather_blocks_start(p, s, d, c, config=KVCopyConfig(num_ctas=16), implementation="cuda")
+        y, tok = after_start(started[0], w)
+        for _ in range(4):
+            y = jnp.tanh(y @ w)
+        return gather_blocks_wait(started, s, d, join_tokens(tok, y[:1, :1]), implementation="cuda")
+
     for _ in range(2):  # lanes, events and counters reused
         for g, w_ in zip(lanes(hosts, src, dst, caches, w), want):
+            np.testing.assert_array_equal(np.asarray(g), w_)
+        for g, w_ in zip(one(hosts, src, dst, caches, w), want):
             np.testing.assert_array_equal(np.asarray(g), w_)
     for ctas in (1, 16):
         got = jax.jit(lambda p, s, d, c: gather_blocks(p, s, d, c, config=KVCopyConfig(num_ctas=ctas),

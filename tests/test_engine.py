@@ -50,14 +50,14 @@ def engine_config(mode, *, copy_impl=None, kernels=None, **kw) -> EngineConfig:
 
 
 def _run(setup, mode, *, reuse=True, resident=False, steps=60, n_slots=None, config=TINY, copy_impl=None,
-         kernels=None):
+         kernels=None, engine_kw=None):
     params, forecast, ig = setup
     b, t0 = 2, 70
     tokens = jax.random.randint(jax.random.key(4), (b, t0 + steps), 0, config.vocab_size)
     lengths = jnp.array([t0, t0 - 11], jnp.int32)
     prompt = jnp.where(jnp.arange(t0)[None] < lengths[:, None], tokens[:, :t0], 0)
     kw = dict(forecast=forecast, infinigen=ig)
-    eng = engine_config(mode, copy_impl=copy_impl, kernels=kernels, reuse=reuse, n_slots=n_slots)
+    eng = engine_config(mode, copy_impl=copy_impl, kernels=kernels, reuse=reuse, n_slots=n_slots, **(engine_kw or {}))
     if resident:
         last, st = prefill(params, prompt, lengths, config, cache_size=t0 + steps, mode=selector_of(mode), **kw)
     else:
@@ -234,6 +234,24 @@ def test_host_ffi_copy_engine_equals_reference_copies(setup, mode):
     ref, c0, s0 = _run(setup, mode, copy_impl="xla", steps=30)
     np.testing.assert_allclose(ffi, ref, atol=2e-5)
     assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+
+
+@needs_cxx
+def test_one_start_per_layer_equals_the_lanes(setup):
+    """copy_start="one" (every payload in one start and one wait) through the CPU twin: the
+    lanes' logits and counts, every start waited for, no cache handed over as a copy."""
+    from sparda_jax.kernels.kv_copy import host_copies_in_flight, unaliased_copies
+
+    unaliased_copies("host_ffi", reset=True)
+    one, c1, s1 = _run(setup, "sparda", copy_impl="host_ffi", steps=30,
+                       engine_kw={"copy_start": "one"})
+    assert host_copies_in_flight() == 0
+    assert unaliased_copies("host_ffi") == (0, 0)
+    lanes, c0, s0 = _run(setup, "sparda", copy_impl="host_ffi", steps=30)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(lanes))
+    assert (c1, s1) == (c0, s0) and 0 < c1 < s1
+    with pytest.raises(ConfigError, match="EngineConfig.copy_start"):
+        EngineConfig("sparda", copy_start="two")
 
 
 @pytest.mark.parametrize("copy_impl", ["xla", pytest.param("host_ffi", marks=needs_cxx)])

@@ -106,40 +106,38 @@ def scatter_blocks(cache, src, dst, pool, *, block_ndim: int | None = None, conf
     return out[0] if one else out
 
 
-def _one_payload(pool, cache):
-    if isinstance(pool, (tuple, list)) or isinstance(cache, (tuple, list)):
-        raise TypeError("an asynchronous start moves one payload: start each payload on its own lane")
-
-
 def gather_blocks_start(pool, src, dst, cache, *, lane: int = 0, block_ndim: int | None = None,
                         config: KVCopyConfig | None = None, implementation: str | None = None):
-    """Start `gather_blocks` of one payload (one pool, one cache) on side-stream lane `lane`
-    (0..3; copies on one lane run in order, on different lanes side by side) -> the cache being
-    written, which nothing may read before `gather_blocks_wait(cache, src, dst, after)` with the
-    same src and dst. XLA's stream goes on once every copy CTA holds its SM. "xla": the whole
-    gather (its wait returns it as it is). Raises TypeError for tuples of payloads."""
+    """Start `gather_blocks` (one pool and cache, or tuples of 1..4 payloads moved by one launch)
+    on side-stream lane `lane` (0..3; copies on one lane run in order, on different lanes side
+    by side) -> the cache (or tuple of caches) being written, which nothing may read before
+    `gather_blocks_wait(cache, src, dst, after)` with the same caches, src and dst. XLA's stream
+    goes on once every copy CTA holds its SM. "xla": the whole gather (its wait returns it as
+    it is)."""
     impl = resolve_implementation(implementation)
-    _one_payload(pool, cache)
     if not 0 <= lane < 4:
         raise ValueError(f"lane must be in 0..3, got {lane}")
     if impl == "xla":
         return gather_blocks_reference(pool, src, dst, cache, block_ndim=block_ndim)
-    check_payloads(pool, cache, src, dst, block_ndim)
+    pools, caches, one = check_payloads(pool, cache, src, dst, block_ndim)
     cuda.register(impl)
-    return cuda.copy_call("sparda_gather_start", src, dst, (pool,), (cache,), config=config or KVCopyConfig(),
-                          block_ndim=block_ndim, lane=np.int32(lane))[0]
+    out = cuda.copy_call("sparda_gather_start", src, dst, pools, caches, config=config or KVCopyConfig(),
+                         block_ndim=block_ndim, lane=np.int32(lane))
+    return out[0] if one else out
 
 
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
-    """The cache a `gather_blocks_start` writes, once its copy is complete. src, dst: the
-    start's (kept alive while the copy reads them); after: any array the wait must follow in
-    XLA's schedule (`after_start`'s token)."""
+    """The cache (or tuple of caches) a `gather_blocks_start` writes, once its copy is complete:
+    every cache of a multi-payload start in one wait. src, dst: the start's (kept alive while the
+    copy reads them); after: any array the wait must follow in XLA's schedule (`after_start`'s
+    token)."""
     impl = resolve_implementation(implementation)
-    _one_payload(cache, cache)
     if impl == "xla":
         return cache
     cuda.register(impl)
-    return cuda.wait_call(cache, src, dst, after)
+    one = not isinstance(cache, (tuple, list))
+    out = cuda.wait_call((cache,) if one else tuple(cache), src, dst, after)
+    return out[0] if one else out
 
 
 def after_start(started, x):

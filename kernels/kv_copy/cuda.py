@@ -209,11 +209,10 @@ def copy_call(target: str, src, dst, froms, tos, *, config: KVCopyConfig, block_
                       block_bytes=sizes, threads=np.int32(config.threads), **attrs))
 
 
-def wait_call(cache, src, dst, after):
-    """The wait custom call (src, dst, after, cache) -> cache, aliased."""
-    call = jax.ffi.ffi_call("sparda_gather_wait", jax.ShapeDtypeStruct(cache.shape, cache.dtype),
-                            input_output_aliases={3: 0})
-    return call(src.astype(jnp.int32), dst.astype(jnp.int32), after, cache)
+def wait_call(caches, src, dst, after):
+    """The wait custom call (src, dst, after, *caches) -> caches, each aliased."""
+    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(len(caches))})
+    return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))
 
 
 MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}  # cudaMemoryType

@@ -3,8 +3,8 @@
 //
 // One copy moves whole blocks by task lists src/dst of equal length, for up to kMaxPayloads
 // payloads at once (a layer's K, V and NOSA's cis): task t moves block src[t] of every payload's
-// `from` buffer to block dst[t] of its `to` buffer, in one launch (the synchronous gather and the
-// write-back; an asynchronous start takes one payload, on a lane of its own: gather_blocks.cu).
+// `from` buffer to block dst[t] of its `to` buffer, in one launch (the synchronous gather, the
+// write-back and an asynchronous start: gather_blocks.cu).
 // The payloads of one copy have the same number of blocks on each side, of their own byte
 // sizes. A task with an index out of range on either side is skipped by both implementations.
 //
@@ -61,10 +61,23 @@ inline xla::ffi::Error check_lane(int32_t lane) {
   return xla::ffi::Error::Success();
 }
 
-// An asynchronous start moves one payload (each on its own lane), and its wait takes that cache.
-inline xla::ffi::Error check_one_payload(size_t n) {
-  if (n != 1) return xla::ffi::Error::InvalidArgument("a start (and its wait) takes one payload; start each on its lane");
-  return xla::ffi::Error::Success();
+// A wait's operands after its fixed ones: the caches its start wrote (1..kMaxPayloads), each
+// aliased to a result of the same size.
+inline xla::ffi::Error check_wait_payloads(const xla::ffi::RemainingArgs& args, const xla::ffi::RemainingRets& rets) {
+  namespace ffi = xla::ffi;
+  const size_t n = rets.size();
+  if (n < 1 || n > static_cast<size_t>(kMaxPayloads) || args.size() != n) {
+    return ffi::Error::InvalidArgument("a wait takes the 1.." + std::to_string(kMaxPayloads) +
+                                       " caches its start wrote and returns them");
+  }
+  for (size_t j = 0; j < n; ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (!in.has_value() || !out.has_value() || in->size_bytes() != (*out)->size_bytes()) {
+      return ffi::Error::InvalidArgument("a wait's caches must be buffers the size of its results");
+    }
+  }
+  return ffi::Error::Success();
 }
 
 // The buffers of one multi-payload copy, decoded and checked.

@@ -10,13 +10,13 @@
 //                        command buffers (CUDA graphs)
 //   SpardaScatterBlocks  pool[dst[t]] = cache[src[t]]: device slots written back into the host
 //                        pool in place (the pool is aliased to the output); recordable too
-//   SpardaGatherStart    one payload's gather on a high-priority side stream (its lane), after
+//   SpardaGatherStart    a gather (1..4 payloads, one launch) on a high-priority side stream (its lane), after
 //                        XLA's stream has produced the inputs; returns at once, so XLA's next
 //                        kernels run beside it. XLA's stream also waits until every copy CTA is
 //                        running (a stream wait on a counter the CTAs raise): Hopper GEMMs are
 //                        persistent and hold every SM to their end, so a copy launched a moment
 //                        after one would wait for it; resident first, the copy keeps its SMs
-//   SpardaGatherWait     XLA's stream waits for the copy started into this cache; takes src/dst
+//   SpardaGatherWait     XLA's stream waits for the copies started into these caches; takes src/dst
 //                        (kept alive until the copy is done) and `after` (any array that must be
 //                        computed before the wait, which pins the wait's place in XLA's schedule)
 //
@@ -183,10 +183,11 @@ namespace {
 
 // Per device: one side stream of the highest priority per lane (its CTAs are scheduled first
 // whenever attention or FFN kernels free an SM) and the completion event of each copy in
-// flight, keyed by the cache buffer it writes: Start and Wait of one copy see the same buffer,
-// aliased through both. Each payload (K, V, cis) starts on its own lane, with its own stream and
-// CTA counter, so that the copies run side by side: on one stream V's launch queued behind K's,
-// and XLA's stream, which waits until a copy's CTAs are resident, waited for all of K.
+// flight, keyed by each cache buffer it writes: Start and Wait of one copy see the same buffers,
+// aliased through both. The engine starts either every payload (K, V, cis) in one launch, or
+// each payload on its own lane, with its own stream and CTA counter, so that the copies run
+// side by side: on one stream V's launch queued behind K's, and XLA's stream, which waits until
+// a copy's CTAs are resident, waited for all of K (EngineConfig.copy_start).
 constexpr int kLanes = kMaxPayloads;
 
 struct Lane {
@@ -257,10 +258,9 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
                                   ffi::Span<const int64_t> block_bytes, int32_t lane_id, int32_t threads) {
   // decoded and checked, and the cache made the result's buffer, before the lane's `ready` is
   // recorded, so the side stream writes into the completed copy
-  ffi::Error e = check_one_payload(rets.size());
-  if (e.failure()) return e;
   CopyPayloads p;
-  if ((e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p)).failure()) return e;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e.failure()) return e;
   if ((e = check_lane(lane_id)).failure()) return e;
   if ((e = check_threads(threads)).failure()) return e;
   if ((e = alias_or_copy(stream, p)).failure()) return e;
@@ -269,9 +269,10 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   cudaError_t err = side_stream(&s, lane_id);
   if (err != cudaSuccess) return cuda_error("side stream", err);
   Lane& lane = s->lanes[lane_id];
-  const uintptr_t key = reinterpret_cast<uintptr_t>(p.to[0]);
-  if (s->in_flight.count(key)) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+  for (int j = 0; j < p.n; ++j) {
+    if (s->in_flight.count(reinterpret_cast<uintptr_t>(p.to[j]))) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+    }
   }
   // the lane waits for XLA's stream (the ids and the cache are produced there)
   cudaEvent_t ready = nullptr, done = nullptr;
@@ -283,7 +284,7 @@ static ffi::Error GatherStartImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src
   s->spare.push_back(ready);  // a wait binds the record made before it: the event may be re-recorded
   if ((e = launch_copy(lane.stream, p, src, dst, num_ctas, threads, lane.started)).failure()) return e;
   if ((err = cudaEventRecord(done, lane.stream)) != cudaSuccess) return cuda_error("cudaEventRecord", err);
-  s->in_flight[key] = done;
+  for (int j = 0; j < p.n; ++j) s->in_flight[reinterpret_cast<uintptr_t>(p.to[j])] = done;
   const int64_t n = static_cast<int64_t>(src.element_count());
   if (n > 0) {  // XLA's stream goes on once every copy CTA holds its SM
     WaitValueFn wait_value = nullptr;
@@ -305,34 +306,36 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .Attr<int32_t>("threads"));
 
 // A wait's operands: src/dst (kept alive until the copy is done), `after` (orders the wait), the
-// cache being written (aliased to the result), and the result, complete.
+// caches its start wrote (all of a multi-payload start's, or one), each aliased to its result.
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
-  ffi::Error e = check_one_payload(rets.size());
+  ffi::Error e = check_wait_payloads(args, rets);
   if (e.failure()) return e;
-  auto in = args.get<ffi::AnyBuffer>(0);
-  auto out = rets.get<ffi::AnyBuffer>(0);
-  if (args.size() != 1 || !in.has_value() || !out.has_value()) {
-    return ffi::Error::InvalidArgument("a wait takes the started cache and returns it");
-  }
   std::lock_guard<std::mutex> lock(g_mu);
   SideStream* s = nullptr;
   cudaError_t err = side_stream(&s);
   if (err != cudaSuccess) return cuda_error("side stream", err);
-  // the start's output is this call's input
-  const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(in->untyped_data()));
-  if (it == s->in_flight.end()) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
-  }
-  if ((err = cudaStreamWaitEvent(stream, it->second, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
-  s->spare.push_back(it->second);
-  s->in_flight.erase(it);
-  if (in->untyped_data() != (*out)->untyped_data()) {  // an output XLA placed apart starts as a copy
-    count_unaliased((*out)->size_bytes());
-    if ((err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(), cudaMemcpyDefault,
-                               stream)) != cudaSuccess) {
-      return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    // the start's output is this call's input
+    const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(in->untyped_data()));
+    if (it == s->in_flight.end()) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
+    }
+    const cudaEvent_t done = it->second;
+    if ((err = cudaStreamWaitEvent(stream, done, 0)) != cudaSuccess) return cuda_error("cudaStreamWaitEvent", err);
+    s->in_flight.erase(it);
+    bool shared = false;  // another cache of the same start still waits on the event
+    for (const auto& kv : s->in_flight) shared = shared || kv.second == done;
+    if (!shared) s->spare.push_back(done);
+    if (in->untyped_data() != (*out)->untyped_data()) {  // an output XLA placed apart starts as a copy
+      count_unaliased((*out)->size_bytes());
+      if ((err = cudaMemcpyAsync((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes(),
+                                 cudaMemcpyDefault, stream)) != cudaSuccess) {
+        return cuda_error("cudaMemcpyAsync (unaliased output)", err);
+      }
     }
   }
   return ffi::Error::Success();

@@ -91,20 +91,20 @@ static ffi::Error GatherStartImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S3
                                   ffi::RemainingRets rets, int32_t num_ctas, ffi::Span<const int64_t> block_bytes,
                                   int32_t lane, int32_t threads) {
   (void)num_ctas;
-  ffi::Error e = check_one_payload(rets.size());
-  if (e.failure()) return e;
   CopyPayloads p;
-  if ((e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p)).failure()) return e;
+  ffi::Error e = decode_payloads(args, rets, block_bytes, src.element_count(), dst.element_count(), &p);
+  if (e.failure()) return e;
   if ((e = check_lane(lane)).failure()) return e;
   if ((e = check_threads(threads)).failure()) return e;
   alias_or_copy(p);
   std::lock_guard<std::mutex> lock(g_mu);
-  const auto key = reinterpret_cast<uintptr_t>(p.to[0]);
-  if (g_in_flight.count(key)) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+  for (int j = 0; j < p.n; ++j) {
+    if (g_in_flight.count(reinterpret_cast<uintptr_t>(p.to[j]))) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "a copy into this cache is already in flight");
+    }
   }
   copy_rows(p, src, dst);
-  g_in_flight.insert(key);
+  for (int j = 0; j < p.n; ++j) g_in_flight.insert(reinterpret_cast<uintptr_t>(p.to[j]));
   return ffi::Error::Success();
 }
 
@@ -115,25 +115,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
                                   .Attr<int32_t>("lane")
                                   .Attr<int32_t>("threads"));
 
+// A wait takes the caches of its start (all of them, or one per wait of a one-payload start).
 static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                  ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src;
   (void)dst;
   (void)after;
-  ffi::Error e = check_one_payload(rets.size());
+  ffi::Error e = check_wait_payloads(args, rets);
   if (e.failure()) return e;
-  auto in = args.get<ffi::AnyBuffer>(0);
-  auto out = rets.get<ffi::AnyBuffer>(0);
-  if (args.size() != 1 || !in.has_value() || !out.has_value()) {
-    return ffi::Error::InvalidArgument("a wait takes the started cache and returns it");
-  }
   std::lock_guard<std::mutex> lock(g_mu);
-  if (g_in_flight.erase(reinterpret_cast<uintptr_t>(in->untyped_data())) == 0) {
-    return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
-  }
-  if (in->untyped_data() != (*out)->untyped_data()) {
-    std::memcpy((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes());
-    count_unaliased((*out)->size_bytes());
+  for (size_t j = 0; j < rets.size(); ++j) {
+    auto in = args.get<ffi::AnyBuffer>(j);
+    auto out = rets.get<ffi::AnyBuffer>(j);
+    if (g_in_flight.erase(reinterpret_cast<uintptr_t>(in->untyped_data())) == 0) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");
+    }
+    if (in->untyped_data() != (*out)->untyped_data()) {
+      std::memcpy((*out)->untyped_data(), in->untyped_data(), (*out)->size_bytes());
+      count_unaliased((*out)->size_bytes());
+    }
   }
   return ffi::Error::Success();
 }

@@ -187,13 +187,13 @@ def test_engine_step_on_per_layer_weights_slices_none(setup):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["sparse", "sparda"])
-def test_cuda_copy_engine_equals_reference_copies(setup, mode):
-    """On the GPU: the UVA gather (sparda: asynchronous start/wait, one lane per payload) and the
-    in-place write-back of completed blocks give the reference copy path's logits and counts.
-    Both copy paths are also held to the resident run (no copies), so that a mismatch says which
-    path moved."""
-    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda")
+@pytest.mark.parametrize("mode,copy_start", [("sparse", "lanes"), ("sparda", "lanes"), ("sparda", "one")])
+def test_cuda_copy_engine_equals_reference_copies(setup, mode, copy_start):
+    """On the GPU: the UVA gather (sparda: asynchronous start/wait, one lane per payload or one
+    start of every payload) and the in-place write-back of completed blocks give the reference
+    copy path's logits and counts. Both copy paths are also held to the resident run (no
+    copies), so that a mismatch says which path moved."""
+    cuda, c1, s1 = _run(setup, mode, copy_impl="cuda", engine_kw={"copy_start": copy_start})
     ref, c0, s0 = _run(setup, mode, copy_impl="xla")
     resident = np.asarray(_run(setup, mode, resident=True)[0])
     for name, got in (("cuda", cuda), ("xla", ref)):

@@ -10,9 +10,9 @@
 //                        command buffers (CUDA graphs)
 //   SpardaScatterBlocks  pool[dst[t]] = cache[src[t]]: device slots written back into the host
 //                        pool in place (the pool is aliased to the output); recordable too
-//   SpardaGatherStart    a gather (1..4 payloads, one launch) on a high-priority side stream (its lane), after
-//                        XLA's stream has produced the inputs; returns at once, so XLA's next
-//                        kernels run beside it. XLA's stream also waits until every copy CTA is
+//   SpardaGatherStart    a gather (1..4 payloads, one launch) on a high-priority side stream
+//                        (its lane), after XLA's stream has produced the inputs; returns at
+//                        once, so XLA's next kernels run beside it. XLA's stream also waits until every copy CTA is
 //                        running (a stream wait on a counter the CTAs raise): Hopper GEMMs are
 //                        persistent and hold every SM to their end, so a copy launched a moment
 //                        after one would wait for it; resident first, the copy keeps its SMs

@@ -12,13 +12,15 @@
 //                        pool in place (the pool is aliased to the output); recordable too
 //   SpardaGatherStart    a gather (1..4 payloads, one launch) on a high-priority side stream
 //                        (its lane), after XLA's stream has produced the inputs; returns at
-//                        once, so XLA's next kernels run beside it. XLA's stream also waits until every copy CTA is
-//                        running (a stream wait on a counter the CTAs raise): Hopper GEMMs are
-//                        persistent and hold every SM to their end, so a copy launched a moment
-//                        after one would wait for it; resident first, the copy keeps its SMs
-//   SpardaGatherWait     XLA's stream waits for the copies started into these caches; takes src/dst
-//                        (kept alive until the copy is done) and `after` (any array that must be
-//                        computed before the wait, which pins the wait's place in XLA's schedule)
+//                        once, so XLA's next kernels run beside it. XLA's stream also waits
+//                        until every copy CTA is running (a stream wait on a counter the CTAs
+//                        raise): Hopper GEMMs are persistent and hold every SM to their end, so
+//                        a copy launched a moment after one would wait for it; resident first,
+//                        the copy keeps its SMs
+//   SpardaGatherWait     XLA's stream waits for the copies started into these caches; takes
+//                        src/dst (kept alive until the copy is done) and `after` (any array that
+//                        must be computed before the wait, which pins the wait's place in XLA's
+//                        schedule)
 //
 //   Operands (copy_tasks.h): src, dst int32 [n] (the task lists; an index out of range: no
 //   task), then per payload the `from` buffers, then the buffers aliased to the results

@@ -68,6 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--copy-start", choices=("lanes", "one"), default="lanes", help="EngineConfig.copy_start")
     p.add_argument("--label", default="", help="a name for this configuration in the JSON")
     p.add_argument("--top", type=int, default=40, help="source lines kept per system")
+    p.add_argument("--hlo-dir", help="also write each system's optimized HLO text here (<system>.hlo.txt)")
     p.add_argument("--out", required=True, help="JSON to write (rows are appended to an existing file)")
     return p.parse_args(argv)
 
@@ -221,7 +222,12 @@ def count_system(system: str, args, implementations, cfg, params, forecast, run,
         abstract(params), jax.ShapeDtypeStruct((b,), jnp.int32, sharding=dev),
         jax.ShapeDtypeStruct((n, b), jnp.int32, sharding=dev), state, abstract(forecast), None,
         jax.ShapeDtypeStruct((n, 2), jnp.uint32, sharding=dev), run=run, sampling=(0.0, 1.0))
-    hlo = Hlo(lowered.compile().as_text())
+    text = lowered.compile().as_text()
+    if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        with open(os.path.join(args.hlo_dir, f"{system}.hlo.txt"), "w") as f:
+            f.write(text)
+    hlo = Hlo(text)
     body = hlo.kernels(hlo.loop_body())
     by_op = collections.Counter(op.split(":")[0] if op.startswith("fusion") else op for op, _ in body)
     by_source = collections.Counter(src for _, src in body)

@@ -17,11 +17,20 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["num_chunks", "compress_keys", "CompressedKeys", "chunk_visible"]
+__all__ = ["num_chunks", "chunk_slots", "compress_keys", "CompressedKeys", "chunk_visible"]
 
 
 def num_chunks(t: int, kernel_size: int, stride: int) -> int:
     return 0 if t < kernel_size else (t - kernel_size) // stride + 1
+
+
+def chunk_slots(max_len: int, kernel_size: int, stride: int) -> int:
+    """Chunks `CompressedKeys` holds for `max_len` positions: num_chunks(max_len), plus one that
+    never becomes visible when (max_len - kernel_size) is not a multiple of stride (`append`
+    writes each step's partial window to the next chunk, which must exist)."""
+    if max_len < kernel_size:
+        return 1
+    return -(-(max_len - kernel_size) // stride) + 1
 
 
 def chunk_visible(chunks: jax.Array, positions: jax.Array, kernel_size: int, stride: int) -> jax.Array:
@@ -59,6 +68,7 @@ class CompressedKeys:
 
     kc   [B, N_max, K, D]  chunk c valid iff its window ends at or before the last appended
                            position (use `num_chunks(position + 1, ...)`); the rest is stale.
+                           N_max = chunk_slots(max_len, ...).
     tail [B, kernel_size, K, D]  ring buffer: the key of position p sits in slot p % kernel_size.
     """
 
@@ -78,7 +88,7 @@ class CompressedKeys:
         ring buffer is filled from each sequence's own last keys.
         """
         b, t, h, d = k.shape
-        n_max = max(num_chunks(max_len, kernel_size, stride), 1)
+        n_max = chunk_slots(max_len, kernel_size, stride)
         kc = compress_keys(k, kernel_size, stride)
         kc = jnp.pad(kc, ((0, 0), (0, n_max - kc.shape[1]), (0, 0), (0, 0)))
         if lengths is None:
@@ -92,16 +102,21 @@ class CompressedKeys:
         return cls(kc, tail, kernel_size, stride)
 
     def append(self, k_new: jax.Array, positions: jax.Array) -> "CompressedKeys":
-        """Append one key per sequence: k_new [B, K, D] at positions int [B]."""
+        """Append one key per sequence: k_new [B, K, D] at positions int [B] (< max_len).
+
+        Every step writes the mean of the last kernel_size keys to chunk ceil(start / stride),
+        start = position + 1 - kernel_size (0 if negative): the chunk that window completes when
+        start is a multiple of stride, else the next chunk, not yet visible, which its own
+        completion rewrites. Indices are then always in range, so the step is a select over the
+        ring buffer, its mean and one in-place write, with no bounds check or masked write (a
+        decode step's launch count is its cost at small sizes: docs/decisions.md)."""
         l, s = self.kernel_size, self.stride
         rows = jnp.arange(k_new.shape[0])
-        # one row each, in row order: unique and sorted (XLA's GPU scatter needs neither sorting nor
-        # a serialised write for duplicates)
-        tail = self.tail.at[rows, positions % l].set(k_new.astype(self.tail.dtype), unique_indices=True,
-                                                     indices_are_sorted=True)
-        start = positions + 1 - l
-        done = (start >= 0) & (start % s == 0)
-        c = jnp.where(done, start // s, self.kc.shape[1])  # out of range: dropped
+        hit = (jnp.arange(l)[None, :] == (positions % l)[:, None])[:, :, None, None]  # [B, l, 1, 1]
+        tail = jnp.where(hit, k_new[:, None].astype(self.tail.dtype), self.tail)
         mean = jnp.mean(tail.astype(jnp.float32), axis=1).astype(self.kc.dtype)
-        kc = self.kc.at[rows, c].set(mean, mode="drop", unique_indices=True, indices_are_sorted=True)
+        c = jnp.clip(-(-(positions + 1 - l) // s), 0, self.kc.shape[1] - 1)
+        # one row each, in row order: unique and sorted; c < N_max by chunk_slots
+        kc = self.kc.at[rows, c].set(mean, mode="promise_in_bounds", unique_indices=True,
+                                     indices_are_sorted=True)
         return self.replace(kc=kc, tail=tail)

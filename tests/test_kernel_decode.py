@@ -45,6 +45,20 @@ def test_interpret_matches_reference(g, d, stages):
     assert_attention_close(out, exact, plain, q)
 
 
+@pytest.mark.parametrize("n_split", [5, 16])
+def test_windows_clamped_to_the_list_end(n_split):
+    # 24 blocks (a multiple of 4: the lists go to the kernel unpadded) over 5 splits of 5, whose
+    # last window (from 20, 8 wide) is moved back to end at 24, and over 16 splits of 2, whose
+    # last four have no entries and windows past the list
+    q, k, v, ids, pos = _case(5, 3, 64, s=4096, n=24)
+    f32 = lambda x: x.astype(jnp.float32)
+    exact = sparse_decode_attention_reference(f32(q), f32(k), f32(v), ids, pos)
+    plain = sparse_decode_attention_reference(q, k, v, ids, pos)
+    out = jax.jit(functools.partial(sparse_decode_attention, config=DecodeConfig(n_split=n_split, stages=2),
+                                    interpret=INTERPRET))(q, k, v, ids, pos)
+    assert_attention_close(out, exact, plain, q)
+
+
 def test_split_pass_then_combine_is_the_kernel():
     """The benchmark's split-pass-only variant: its outputs, combined, are the kernel's result
     (bit for bit: the same ops), and each split's partial output is normalised on its own."""
@@ -119,10 +133,11 @@ def test_rejects_unsupported_inputs():
 
 
 @gpu
-@pytest.mark.parametrize("g,d,n_split,stages", [(3, 64, None, 4), (16, 128, None, 4), (16, 128, 2, 4),
+@pytest.mark.parametrize("g,d,n_split,stages", [(3, 64, None, 4), (16, 128, None, 4), (16, 128, 2, 4), (3, 64, 5, 2),
                                                 (16, 128, 2, 2)])
 def test_compiled_matches_reference(g, d, n_split, stages):
-    # the default split count gives 2 blocks per split here; 2 splits turn the ring several times
+    # the default split count gives 2 blocks per split here (the last splits empty, their windows
+    # clamped); 5 splits clamp a last window with entries; 2 splits turn the ring several times
     q, k, v, ids, pos = _case(g, g, d, s=4096, n=24)
     f32 = lambda x: x.astype(jnp.float32)
     with jax.default_matmul_precision("highest"):

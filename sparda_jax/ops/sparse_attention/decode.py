@@ -65,10 +65,12 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
 
     # Each CTA copies the window of its block list that holds its `per` entries into SMEM, from a
     # 16-byte boundary (the bulk copy's alignment: 4 int32): W entries from start rounded down to
-    # 4. The lists are padded (-1) so that the last split's window stays inside them. Two CTAs
-    # still share an SM up to ~3800 blocks a split (paged: two windows of 4 B an entry).
-    W = -(-(per + 3) // 4) * 4
-    n_pad = max(-(-n // 4) * 4, ((n_split - 1) * per) // 4 * 4 + W)
+    # 4, or from n_pad - W where that window would run past the list (only splits with no entries
+    # or the last ones: the clamped window still ends at n_pad >= n). The lists are padded (-1) to
+    # n_pad, a multiple of 4: no pad at all, and no kernel, when n is one. Two CTAs still share an
+    # SM up to ~3800 blocks a split (paged: two windows of 4 B an entry).
+    W = -(-max((s * per) % 4 + per for s in range(n_split)) // 4) * 4
+    n_pad = max(-(-n // 4) * 4, W)
     pad = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, n_pad - n)), constant_values=-1)
     ids = pad(ids)
     slots = pad(slots) if paged else ids  # unused when contiguous: the cache is addressed by block id
@@ -80,7 +82,7 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
         # this split's window of the block list (and slots) in SMEM: each step reads two entries,
         # and a GMEM load in the loop would put its latency between one block's wgmmas and the
         # next block's copy (a bulk copy, in bounds by the padding; a tiled TMA box holds <= 256)
-        w0 = pl.multiple_of(lax.div(start, 4) * 4, 4)
+        w0 = pl.multiple_of(jnp.minimum(lax.div(start, 4) * 4, n_pad - W), 4)
         in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
         plgpu.copy_gmem_to_smem(ids_ref.at[b, h, pl.ds(w0, W)], ids_smem, ids_bar, oob_mode=in_bounds)
         if paged:

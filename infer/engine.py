@@ -45,7 +45,7 @@ from sparda_jax.programs import stored_jit
 from sparda_jax.runtime import warn_if_default_launch_queues
 
 from sparda_jax.kernels.kv_copy import (FFI_IMPLEMENTATIONS, KVCopyConfig, after_start, autotune_num_ctas,
-                                        build_in_background, gather_blocks, gather_blocks_start, gather_blocks_wait, host_pool, join_tokens,
+                                        build_in_background, gather_blocks, gather_blocks_start, gather_blocks_wait, host_pool,
                                         lane_ctas, paper_num_ctas, resolve_implementation, scatter_blocks)
 from sparda_jax.kernels.kv_copy.cuda import register as register_copy_targets
 
@@ -329,7 +329,7 @@ class Fetched(struct.PyTreeNode):
     table: jax.Array     # [B, K, n_slots]
     src: jax.Array       # the copy's task lists (kept alive until its wait; -1: no task)
     dst: jax.Array
-    token: jax.Array | None = None  # a started copy's order token (`_after_start`), for its wait
+    token: tuple | None = None  # a started copy's order token (`after_start`), for its wait
 
 
 def _payloads(p) -> dict:
@@ -419,7 +419,7 @@ class OffloadKV(struct.PyTreeNode):
             if self.run.async_copy:
                 # wait as late as possible: after the next layer's start (its token) and this
                 # layer's projection
-                order = join_tokens(pending.token, None if after is None else after.token, q.reshape(-1)[:1])
+                order = (pending.token, None if after is None else after.token, q)  # operands, no kernel
                 f = f.replace(cache=_wait_blocks(self.run, f.cache, f.src, f.dst, order))
         cache = _write_token(f.cache, f.slots, f.ids, pos, _payloads(p), bs)
         attn = paged_sparse_attention(

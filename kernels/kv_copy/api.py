@@ -129,8 +129,8 @@ def gather_blocks_start(pool, src, dst, cache, *, lane: int = 0, block_ndim: int
 def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = None):
     """The cache (or tuple of caches) a `gather_blocks_start` writes, once its copy is complete:
     every cache of a multi-payload start in one wait. src, dst: the start's (kept alive while the
-    copy reads them); after: any array the wait must follow in XLA's schedule (`after_start`'s
-    token)."""
+    copy reads them); after: any array, or pytree of arrays, the wait must follow in XLA's
+    schedule (`after_start`'s token, and more): operands of the wait, never read or joined."""
     impl = resolve_implementation(implementation)
     if impl == "xla":
         return cache
@@ -142,8 +142,8 @@ def gather_blocks_wait(cache, src, dst, after, *, implementation: str | None = N
 
 def after_start(started, x):
     """(x, token): x ordered after the copy starts that returned `started` (an array or a
-    sequence or dict of them), and a small token that the starts' waits must take as `after`
-    (or a `join_tokens` of it).
+    sequence or dict of them), and a token (a tuple of small arrays) that the starts' waits must
+    take as `after` (with any more arrays to follow, as a tuple).
 
     The barrier holds a one-element slice of each started cache, never the cache: a cache
     passed through a barrier is copied by XLA ahead of its in-place wait, and that copy would
@@ -153,14 +153,15 @@ def after_start(started, x):
         list(started) if isinstance(started, (tuple, list)) else [started])
     marks = [jax.lax.slice(c, (0,) * c.ndim, (1,) * c.ndim) for c in caches]  # no reshape (block_ndim)
     marks, x = jax.lax.optimization_barrier((marks, x))
-    return x, join_tokens(*marks)
+    return x, tuple(marks)
 
 
 def join_tokens(*tokens) -> jax.Array:
-    """One small f32 array of every element of the (small) tokens given (None skipped): an
-    `after` that follows all of them. Whole tokens, never a slice of one: XLA folds a slice of a
-    concatenation to the operands it keeps."""
-    return jnp.concatenate([t.reshape(-1).astype(jnp.float32) for t in tokens if t is not None])
+    """One small f32 array of every element of the (small) tokens given (arrays or pytrees of
+    them; None skipped). A wait takes a pytree of its `after` arrays without this kernel; this is
+    for an order that must be one array. Whole tokens, never a slice of one: XLA folds a slice of
+    a concatenation to the operands it keeps."""
+    return jnp.concatenate([t.reshape(-1).astype(jnp.float32) for t in jax.tree.leaves(tokens)])
 
 
 def host_pool(x, device=None) -> jax.Array:

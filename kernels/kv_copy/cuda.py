@@ -210,9 +210,16 @@ def copy_call(target: str, src, dst, froms, tos, *, config: KVCopyConfig, block_
 
 
 def wait_call(caches, src, dst, after):
-    """The wait custom call (src, dst, after, *caches) -> caches, each aliased."""
-    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches), input_output_aliases={3 + j: j for j in range(len(caches))})
-    return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), after, *caches))
+    """The wait custom call (src, dst, *afters, *caches) -> caches, each aliased. after: an array
+    or a pytree of them (>= 1), operands that order the wait and are never read: no kernel joins
+    them."""
+    afters = jax.tree.leaves(after)
+    if not afters:
+        raise ValueError("a wait needs at least one `after` array")
+    n = len(afters)
+    call = jax.ffi.ffi_call("sparda_gather_wait", _like(caches),
+                            input_output_aliases={2 + n + j: j for j in range(len(caches))})
+    return tuple(call(src.astype(jnp.int32), dst.astype(jnp.int32), *afters, *caches))
 
 
 MEMORY_TYPES = {0: "unregistered", 1: "host", 2: "device", 3: "managed"}  # cudaMemoryType

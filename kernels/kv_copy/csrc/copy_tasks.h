@@ -61,17 +61,18 @@ inline xla::ffi::Error check_lane(int32_t lane) {
   return xla::ffi::Error::Success();
 }
 
-// A wait's operands after its fixed ones: the caches its start wrote (1..kMaxPayloads), each
-// aliased to a result of the same size.
+// A wait's operands after its fixed ones: more arrays to order it after (read never), then the
+// caches its start wrote (1..kMaxPayloads), each aliased to a result of the same size.
 inline xla::ffi::Error check_wait_payloads(const xla::ffi::RemainingArgs& args, const xla::ffi::RemainingRets& rets) {
   namespace ffi = xla::ffi;
   const size_t n = rets.size();
-  if (n < 1 || n > static_cast<size_t>(kMaxPayloads) || args.size() != n) {
+  if (n < 1 || n > static_cast<size_t>(kMaxPayloads) || args.size() < n) {
     return ffi::Error::InvalidArgument("a wait takes the 1.." + std::to_string(kMaxPayloads) +
                                        " caches its start wrote and returns them");
   }
+  const size_t first = args.size() - n;  // more `after` operands come before the caches
   for (size_t j = 0; j < n; ++j) {
-    auto in = args.get<ffi::AnyBuffer>(j);
+    auto in = args.get<ffi::AnyBuffer>(first + j);
     auto out = rets.get<ffi::AnyBuffer>(j);
     if (!in.has_value() || !out.has_value() || in->size_bytes() != (*out)->size_bytes()) {
       return ffi::Error::InvalidArgument("a wait's caches must be buffers the size of its results");

@@ -307,8 +307,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStart, GatherStartImpl,
                                   .Attr<int32_t>("lane")
                                   .Attr<int32_t>("threads"));
 
-// A wait's operands: src/dst (kept alive until the copy is done), `after` (orders the wait), the
-// caches its start wrote (all of a multi-payload start's, or one), each aliased to its result.
+// A wait's operands: src/dst (kept alive until the copy is done), `after` and any more arrays
+// (never read: they order the wait), the caches its start wrote (all of a multi-payload start's,
+// or one), each aliased to its result.
 static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst,
                                  ffi::AnyBuffer after, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src; (void)dst; (void)after;  // operands only to keep them alive and to order the wait
@@ -319,7 +320,7 @@ static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src,
   cudaError_t err = side_stream(&s);
   if (err != cudaSuccess) return cuda_error("side stream", err);
   for (size_t j = 0; j < rets.size(); ++j) {
-    auto in = args.get<ffi::AnyBuffer>(j);
+    auto in = args.get<ffi::AnyBuffer>(args.size() - rets.size() + j);  // the caches come last
     auto out = rets.get<ffi::AnyBuffer>(j);
     // the start's output is this call's input
     const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(in->untyped_data()));

@@ -115,7 +115,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpardaGatherStartHost, GatherStartImpl,
                                   .Attr<int32_t>("lane")
                                   .Attr<int32_t>("threads"));
 
-// A wait takes the caches of its start (all of them, or one per wait of a one-payload start).
+// A wait takes arrays to order it after (`after` and any more), then the caches of its start (all
+// of them, or one per wait of a one-payload start).
 static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32> dst, ffi::AnyBuffer after,
                                  ffi::RemainingArgs args, ffi::RemainingRets rets) {
   (void)src;
@@ -125,7 +126,7 @@ static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32
   if (e.failure()) return e;
   std::lock_guard<std::mutex> lock(g_mu);
   for (size_t j = 0; j < rets.size(); ++j) {
-    auto in = args.get<ffi::AnyBuffer>(j);
+    auto in = args.get<ffi::AnyBuffer>(args.size() - rets.size() + j);  // the caches come last
     auto out = rets.get<ffi::AnyBuffer>(j);
     if (g_in_flight.erase(reinterpret_cast<uintptr_t>(in->untyped_data())) == 0) {
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");

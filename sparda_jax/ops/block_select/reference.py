@@ -71,12 +71,11 @@ def pool_to_blocks(scores: jax.Array, n_blocks: int, sparse: SparseConfig) -> ja
     # slowly; max is exact, so the values are the same
     # (SparseConfig keeps kernel_size <= block_size, so left < r)
     grouped = x.reshape(*x.shape[:-1], n_blocks, r)
-    own = jnp.max(grouped, axis=-1)
     if left == 0:
-        return own
-    prev = jnp.max(grouped[..., r - left:], axis=-1)
-    prev = jnp.pad(prev[..., :-1], [(0, 0)] * (x.ndim - 1) + [(1, 0)], constant_values=-INF)
-    return jnp.maximum(own, prev)
+        return jnp.max(grouped, axis=-1)
+    # the block before's last `left` chunks beside each block's own: one reduction (one kernel)
+    prev = jnp.pad(grouped[..., :-1, r - left:], [(0, 0)] * (x.ndim - 1) + [(1, 0), (0, 0)], constant_values=-INF)
+    return jnp.max(jnp.concatenate([prev, grouped], axis=-1), axis=-1)
 
 
 def finalize_topk(block_scores: jax.Array, q_positions: jax.Array, topk: int,

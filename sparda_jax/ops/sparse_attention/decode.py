@@ -81,7 +81,8 @@ def sparse_decode_partial(q_pad, k, v, ids, n_valid, pos, *, n_split, slots=None
         start = s * per
         # this split's window of the block list (and slots) in SMEM: each step reads two entries,
         # and a GMEM load in the loop would put its latency between one block's wgmmas and the
-        # next block's copy (a bulk copy, in bounds by the padding; a tiled TMA box holds <= 256)
+        # next block's copy (a bulk copy, in bounds by the padding and the clamp; a tiled TMA box
+        # holds <= 256)
         w0 = pl.multiple_of(jnp.minimum(lax.div(start, 4) * 4, n_pad - W), 4)
         in_bounds = plgpu.OOBFillMode.PROMISE_IN_BOUNDS
         plgpu.copy_gmem_to_smem(ids_ref.at[b, h, pl.ds(w0, W)], ids_smem, ids_bar, oob_mode=in_bounds)

@@ -33,7 +33,7 @@ from flax import struct
 
 from sparda_jax.attention import paged_sparse_attention
 from sparda_jax.compress import CompressedKeys
-from sparda_jax.config import ConfigError, Implementations, ModelConfig, check_bool, check_instance, check_int
+from sparda_jax.config import COPY_STARTS, ConfigError, Implementations, ModelConfig, check_bool, check_instance, check_int
 from sparda_jax.model import (DecoderLayer, check_layers, commit_to_params_device, embed, per_layer, rope_tables,
                               stacked, unembed)
 from sparda_jax.modes import (check_lead_forecast, decode_program, decode_step_plan, layer_inputs, layered_state,
@@ -59,7 +59,6 @@ __all__ = ["SYSTEMS", "OFFLOAD_SYSTEMS", "COPY_STARTS", "EngineConfig", "Offload
 OFFLOAD_SYSTEMS = ("sparse", "infinigen", "sparda_sync", "sparda")
 RESIDENT_SYSTEMS = {"dense_resident": "dense", "sparse_resident": "sparse"}
 SYSTEMS = tuple(RESIDENT_SYSTEMS) + OFFLOAD_SYSTEMS
-COPY_STARTS = ("lanes", "one")
 
 
 def offloaded_layers(config: ModelConfig) -> tuple[int, ...]:

@@ -58,6 +58,7 @@ FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after
 
 def parse_args(argv=None):
     from sparda_jax.cli import _implementation
+    from sparda_jax.config import COPY_STARTS
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--systems", nargs="+", default=["dense_resident", "sparse", "sparda"])
@@ -65,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=7, help="decode steps per program (bench realmodel's default)")
     p.add_argument("--implementation", type=_implementation, nargs="+", default=[], metavar="OP=NAME")
-    p.add_argument("--copy-start", choices=("lanes", "one"), default="lanes", help="EngineConfig.copy_start")
+    p.add_argument("--copy-start", choices=COPY_STARTS, default=COPY_STARTS[0], help="EngineConfig.copy_start")
     p.add_argument("--label", default="", help="a name for this configuration in the JSON")
     p.add_argument("--top", type=int, default=40, help="source lines kept per system")
     p.add_argument("--hlo-dir", help="also write each system's optimized HLO text here (<system>.hlo.txt)")

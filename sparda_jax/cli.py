@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from .config import FORECAST_SOURCES
+from .config import COPY_STARTS, FORECAST_SOURCES
 from .programs import enable_program_store
 from .runtime import LAUNCH_QUEUE_SCALES, LAUNCH_QUEUES, enable_compilation_cache, set_launch_queues, write_result
 
@@ -833,7 +833,7 @@ def build_parser() -> argparse.ArgumentParser:
     bn.add_argument("--implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel: force these backends in every cell (`sparda_jax.Implementations`), e.g. "
                          "sparse_attention=xla select=xla; recorded in the JSON's config")
-    bn.add_argument("--copy-start", choices=("lanes", "one"), default=None,
+    bn.add_argument("--copy-start", choices=COPY_STARTS, default=None,
                     help="realmodel: how sparda starts a layer's copy (EngineConfig.copy_start; default lanes): one "
                          "start per payload on a lane each, or one start and one wait of every payload")
     bn.add_argument("--first-token-implementation", type=_implementation, nargs="+", metavar="OP=NAME",

@@ -30,6 +30,7 @@ __all__ = [
     "SparseConfig",
     "ForecastConfig",
     "FORECAST_SOURCES",
+    "COPY_STARTS",
     "ModelConfig",
     "Implementations",
     "IMPLEMENTATION_NAMES",
@@ -40,6 +41,8 @@ __all__ = [
 
 Arch = Literal["llama", "minicpm", "nosa"]
 FORECAST_SOURCES: tuple[str, ...] = ("prev_input", "prev_mid", "own_input")
+# how the engine starts a layer's asynchronous copy (infer.engine.EngineConfig.copy_start)
+COPY_STARTS: tuple[str, ...] = ("lanes", "one")
 
 
 class ConfigError(ValueError):

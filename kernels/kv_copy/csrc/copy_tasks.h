@@ -63,6 +63,11 @@ inline xla::ffi::Error check_lane(int32_t lane) {
 
 // A wait's operands after its fixed ones: more arrays to order it after (read never), then the
 // caches its start wrote (1..kMaxPayloads), each aliased to a result of the same size.
+// wait_cache(args, rets, j): the cache of result j (the caches come last).
+inline auto wait_cache(const xla::ffi::RemainingArgs& args, const xla::ffi::RemainingRets& rets, size_t j) {
+  return args.get<xla::ffi::AnyBuffer>(args.size() - rets.size() + j);
+}
+
 inline xla::ffi::Error check_wait_payloads(const xla::ffi::RemainingArgs& args, const xla::ffi::RemainingRets& rets) {
   namespace ffi = xla::ffi;
   const size_t n = rets.size();
@@ -70,9 +75,8 @@ inline xla::ffi::Error check_wait_payloads(const xla::ffi::RemainingArgs& args, 
     return ffi::Error::InvalidArgument("a wait takes the 1.." + std::to_string(kMaxPayloads) +
                                        " caches its start wrote and returns them");
   }
-  const size_t first = args.size() - n;  // more `after` operands come before the caches
   for (size_t j = 0; j < n; ++j) {
-    auto in = args.get<ffi::AnyBuffer>(first + j);
+    auto in = wait_cache(args, rets, j);
     auto out = rets.get<ffi::AnyBuffer>(j);
     if (!in.has_value() || !out.has_value() || in->size_bytes() != (*out)->size_bytes()) {
       return ffi::Error::InvalidArgument("a wait's caches must be buffers the size of its results");

@@ -18,9 +18,9 @@
 //                        a copy launched a moment after one would wait for it; resident first,
 //                        the copy keeps its SMs
 //   SpardaGatherWait     XLA's stream waits for the copies started into these caches; takes
-//                        src/dst (kept alive until the copy is done) and `after` (any array that
-//                        must be computed before the wait, which pins the wait's place in XLA's
-//                        schedule)
+//                        src/dst (kept alive until the copy is done) and `after` with any more
+//                        arrays (computed before the wait, never read: they pin the wait's place
+//                        in XLA's schedule)
 //
 //   Operands (copy_tasks.h): src, dst int32 [n] (the task lists; an index out of range: no
 //   task), then per payload the `from` buffers, then the buffers aliased to the results
@@ -320,7 +320,7 @@ static ffi::Error GatherWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> src,
   cudaError_t err = side_stream(&s);
   if (err != cudaSuccess) return cuda_error("side stream", err);
   for (size_t j = 0; j < rets.size(); ++j) {
-    auto in = args.get<ffi::AnyBuffer>(args.size() - rets.size() + j);  // the caches come last
+    auto in = wait_cache(args, rets, j);
     auto out = rets.get<ffi::AnyBuffer>(j);
     // the start's output is this call's input
     const auto it = s->in_flight.find(reinterpret_cast<uintptr_t>(in->untyped_data()));

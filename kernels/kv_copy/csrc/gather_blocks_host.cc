@@ -126,7 +126,7 @@ static ffi::Error GatherWaitImpl(ffi::Buffer<ffi::S32> src, ffi::Buffer<ffi::S32
   if (e.failure()) return e;
   std::lock_guard<std::mutex> lock(g_mu);
   for (size_t j = 0; j < rets.size(); ++j) {
-    auto in = args.get<ffi::AnyBuffer>(args.size() - rets.size() + j);  // the caches come last
+    auto in = wait_cache(args, rets, j);
     auto out = rets.get<ffi::AnyBuffer>(j);
     if (g_in_flight.erase(reinterpret_cast<uintptr_t>(in->untyped_data())) == 0) {
       return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "no copy in flight into this cache (wait without start)");

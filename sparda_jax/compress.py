@@ -4,14 +4,17 @@ Chunk c covers tokens [c*stride, c*stride + kernel_size); only full windows exis
 sequence of T tokens has N_c = (T - kernel_size) // stride + 1 chunks (0 if T < kernel_size).
 Chunk c is visible to a query at position p iff c*stride + kernel_size - 1 <= p.
 
-Decode keeps the compressed keys incrementally (`CompressedKeys`): a ring buffer of the last
-`kernel_size` keys; when the token at position p completes a window (p + 1 - kernel_size is a
-non-negative multiple of stride) the window's mean is written as chunk (p + 1 - kernel_size) /
-stride. This matches MiniCPM's tail buffer (emit the mean of l_c tokens, drop s_c) without
-reading the full cache, which in offload mode lives in host memory.
+Decode keeps the compressed keys incrementally (`CompressedKeys`): the key sums of the last
+kernel_size tokens in groups of gcd(kernel_size, stride); when the token at position p completes
+a window (p + 1 - kernel_size is a non-negative multiple of stride) the window's mean is written
+as chunk (p + 1 - kernel_size) / stride. This gives MiniCPM's tail buffer's chunks (emit the mean
+of l_c tokens, drop s_c) without reading the full cache, which in offload mode lives in host
+memory.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -69,11 +72,14 @@ class CompressedKeys:
     kc   [B, N_max, K, D]  chunk c valid iff its window ends at or before the last appended
                            position (use `num_chunks(position + 1, ...)`); the rest is stale.
                            N_max = chunk_slots(max_len, ...).
-    tail [B, kernel_size, K, D]  ring buffer: the key of position p sits in slot p % kernel_size.
+    sums m arrays [B, K, D] float32: the key sums of the last m groups of g tokens, g =
+         gcd(kernel_size, stride), m = kernel_size / g. Group j (tokens [j*g, (j+1)*g)) sits in
+         sums[j % m]; the newest may be partial. A window is m whole groups, so its mean is
+         sum(sums) / kernel_size once its last token is in.
     """
 
     kc: jax.Array
-    tail: jax.Array
+    sums: tuple
     kernel_size: int = struct.field(pytree_node=False)
     stride: int = struct.field(pytree_node=False)
 
@@ -85,7 +91,7 @@ class CompressedKeys:
 
         Chunks whose window reaches into a sequence's padding are stale, but a chunk becomes
         visible only when its window completes, and `append` rewrites it at that moment. The
-        ring buffer is filled from each sequence's own last keys.
+        group sums count each sequence's own keys only.
         """
         b, t, h, d = k.shape
         n_max = chunk_slots(max_len, kernel_size, stride)
@@ -93,30 +99,38 @@ class CompressedKeys:
         kc = jnp.pad(kc, ((0, 0), (0, n_max - kc.shape[1]), (0, 0), (0, 0)))
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
-        # slot r holds the latest position p < length with p % kernel_size == r
-        r = jnp.arange(kernel_size)[None, :]
-        last = lengths[:, None] - 1
-        p = last - (last - r) % kernel_size  # [B, l]
-        tail = jnp.take_along_axis(k, jnp.clip(p, 0, t - 1)[:, :, None, None], axis=1)
-        tail = jnp.where((p >= 0)[:, :, None, None], tail, 0).astype(k.dtype)
-        return cls(kc, tail, kernel_size, stride)
+        g = math.gcd(kernel_size, stride)
+        n_groups = -(-t // g)
+        kf = jnp.where(jnp.arange(t)[None, :, None, None] < lengths[:, None, None, None], k.astype(jnp.float32), 0)
+        groups = jnp.pad(kf, ((0, 0), (0, n_groups * g - t), (0, 0), (0, 0))).reshape(b, n_groups, g, h, d).sum(2)
+        last = (lengths - 1) // g  # the newest group of each sequence, -1 for an empty one
+        sums = []
+        for i in range(kernel_size // g):
+            j = last - (last - i) % (kernel_size // g)  # the newest group <= last in slot i
+            s = jnp.take_along_axis(groups, jnp.clip(j, 0, n_groups - 1)[:, None, None, None], axis=1)[:, 0]
+            sums.append(jnp.where((j >= 0)[:, None, None], s, 0.0))
+        return cls(kc, tuple(sums), kernel_size, stride)
 
     def append(self, k_new: jax.Array, positions: jax.Array) -> "CompressedKeys":
         """Append one key per sequence: k_new [B, K, D] at positions int [B] (< max_len).
 
-        Every step writes the mean of the last kernel_size keys to chunk ceil(start / stride),
-        start = position + 1 - kernel_size (0 if negative): the chunk that window completes when
-        start is a multiple of stride, else the next chunk, not yet visible, which its own
-        completion rewrites. Indices are then always in range, so the step is a select over the
-        ring buffer, its mean and one in-place write, with no bounds check or masked write (a
-        decode step's launch count is its cost at small sizes: docs/decisions.md)."""
+        Every step writes sum(sums) / kernel_size to chunk ceil(start / stride), start = position
+        + 1 - kernel_size (0 if negative): the mean of the window it completes when start is a
+        multiple of stride, else a value for the next chunk, not yet visible, which its own
+        completion rewrites. Indices are then always in range, and the group sums are updated
+        element by element, in place: the step is one elementwise kernel and one write, with no
+        bounds check (a decode step's launch count is its cost at small sizes: docs/decisions.md)."""
         l, s = self.kernel_size, self.stride
+        g, m = math.gcd(l, s), len(self.sums)
         rows = jnp.arange(k_new.shape[0])
-        hit = (jnp.arange(l)[None, :] == (positions % l)[:, None])[:, :, None, None]  # [B, l, 1, 1]
-        tail = jnp.where(hit, k_new[:, None].astype(self.tail.dtype), self.tail)
-        mean = jnp.mean(tail.astype(jnp.float32), axis=1).astype(self.kc.dtype)
+        kf = k_new.astype(jnp.float32)
+        fresh = (positions % g == 0)[:, None, None]  # the token starts a group: its slot restarts
+        slot = (positions // g) % m
+        sums = tuple(jnp.where((slot == i)[:, None, None], jnp.where(fresh, kf, x + kf), x)
+                     for i, x in enumerate(self.sums))
+        mean = (sum(sums) / l).astype(self.kc.dtype)
         c = jnp.clip(-(-(positions + 1 - l) // s), 0, self.kc.shape[1] - 1)
         # one row each, in row order: unique and sorted; c < N_max by chunk_slots
         kc = self.kc.at[rows, c].set(mean, mode="promise_in_bounds", unique_indices=True,
                                      indices_are_sorted=True)
-        return self.replace(kc=kc, tail=tail)
+        return self.replace(kc=kc, sums=sums)

@@ -215,7 +215,7 @@ class DecodeState(struct.PyTreeNode):
     axis on every leaf) or, as a source of `layer_step`, one layer's (no L axis):
 
     kv      KVCache k, v [(L,) B, S, K, Dh] (slot = absolute position)
-    ckeys   CompressedKeys, kc [(L,) B, N_max, K, Dh] and the ring buffer (sparse modes)
+    ckeys   CompressedKeys, kc [(L,) B, N_max, K, Dh] and the newest keys' group sums (sparse modes)
     cis     [(L,) B, S, K] NOSA per-token cis; ccis compressed cis as CompressedKeys, Dh = 1
     pk      [(L,) B, S, K, r] InfiniGen partial keys
     """

@@ -54,8 +54,10 @@ def test_compress_keys_matches_reference(t, kernel, stride):
     np.testing.assert_allclose(ours, ref.compress_keys_ref(np.asarray(k), kernel, stride), atol=1e-6)
 
 
-def test_incremental_compression_matches_full():
-    kernel, stride, t0, t1 = 8, 4, 13, 40
+# kernel a multiple of stride (groups of stride tokens), not one (groups of gcd 2), equal (one group)
+@pytest.mark.parametrize("kernel,stride", [(8, 4), (6, 4), (4, 4)])
+def test_incremental_compression_matches_full(kernel, stride):
+    t0, t1 = 13, 40
     k = _rand(jax.random.key(0), (2, t1, 2, 4))
     lengths = jnp.array([13, 9], jnp.int32)  # ragged prompts, right-padded to t0
     # padding slots hold garbage that must never leak into a visible chunk

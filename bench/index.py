@@ -105,8 +105,19 @@ FILES = {
                                                        "forward program starts (decision: host prompts)",
     "profiles/prefill_sparse_4k_0c2fd73.trace.json.gz": "the same run's Sparse prefill: the per-tile union's sort, "
                                                        "two scatters and cumsum (decision: the prefill's union)",
-    "realmodel/realmodel.json": "58364e4: SmolLM2, 4K and 8K, batch 1 and 8, every system (issue 28's grid; the "
-                                "480 s budget skipped the last two 8K batch-8 cells)",
+    "realmodel/realmodel.json": "16e5709, H100, copy_start one (the default since), 256 new tokens: SmolLM2, 4K "
+                                "and 8K batch 1, every system (issue 28's claims)",
+    "realmodel/realmodel_4k_lanes.json": "the same commit and machine, minutes before: copy_start lanes, 64 new "
+                                         "tokens, 4K batch 1 and 8, every system",
+    "realmodel/copy_start/real_512_lanes.json": "SmolLM2 (GGUF) 4K batch 1, 512 new tokens, Dense+ and SparDA with "
+                                                "copy_start lanes (scripts/realmodel_variants.py; decision: one start "
+                                                "of every payload)",
+    "realmodel/copy_start/real_512_one.json": "the same run, copy_start one",
+    "realmodel/copy_start/real_64_lanes.json": "as real_512, 64 new tokens, an earlier run on the same machine",
+    "realmodel/copy_start/real_64_one.json": "the same run, copy_start one",
+    "realmodel/copy_start/random_64_lanes.json": "SmolLM2's shapes with random weights, 4K batch 1, 64 new tokens, "
+                                                 "copy_start lanes",
+    "realmodel/copy_start/random_64_one.json": "the same run, copy_start one",
     "realmodel/kernel_count.json": "kernels of one decode step (SmolLM2 shapes, 4K batch 1) in XLA's deviceless H100 "
                                     "compile on a CPU (scripts/kernel_count.py): e2ef356, then the copy plan's rows "
                                     "with copy_plan=xla and =triton, each row with its commit",

@@ -40,7 +40,7 @@ from sparda_jax.api import Pretrained, prepare_modes, system_kwargs
 from sparda_jax.bench.engine_state import block_bytes
 from sparda_jax.bench.profile import TraceWindow, profile_calls, profile_lines
 from sparda_jax.bench.timing import Budget, plot_and_print, pyplot_and_result, save_png, write_json
-from sparda_jax.config import Implementations
+from sparda_jax.config import COPY_STARTS, Implementations
 from sparda_jax.envinfo import environment
 from sparda_jax.infer.engine import OFFLOAD_SYSTEMS, selector_of
 from sparda_jax.infer.engine import SYSTEMS as ENGINE_SYSTEMS
@@ -145,7 +145,7 @@ def _copy_libraries() -> set[str]:
 
 def _cell(model: Pretrained, prompts, system: str, extra: dict, new_tokens: int, k: int,
           profile_prefill: bool = False, implementations: Implementations = Implementations(),
-          profile_decode: bool = False, copy_start: str = "lanes") -> dict:
+          profile_decode: bool = False, copy_start: str = COPY_STARTS[0]) -> dict:
     """One (system, prompts) cell: the timing and traffic fields of a row (see the module doc);
     with profile_prefill, "prefill_profile": one more warm prefill traced (`bench.profile`); with
     profile_decode, "decode_profile": one more warm generate traced from the end of its first
@@ -247,7 +247,7 @@ def bench_realmodel(model: Pretrained, *, systems=SYSTEMS, contexts=CONTEXTS, ba
                     budget: Budget | None = None, out: str | Path | None = None, command: str | None = None,
                     log=None, progress: bool = True, profile_prefill: bool = False,
                     implementations: Implementations = Implementations(), profile_decode: bool = False,
-                    copy_start: str = "lanes") -> dict:
+                    copy_start: str = COPY_STARTS[0]) -> dict:
     """Run every (context, batch, system) cell, in that nesting order, and return the result dict
     (written to `out` after each cell when given): environment, config, compilation_cache,
     copy_libraries_at_start, definitions, rows (one per cell: system, context, prompt_tokens,
@@ -507,7 +507,7 @@ def main(args) -> int:
                         command="sparda " + " ".join(sys.argv[1:]), profile_prefill=args.profile_prefill,
                         profile_decode=args.profile_decode,
                         implementations=Implementations(**dict(args.implementation or ())),
-                        copy_start=getattr(args, "copy_start", None) or "lanes")
+                        copy_start=getattr(args, "copy_start", None) or COPY_STARTS[0])
     if args.first_token:
         # a prompt of the first context's length, as text (the CLI tokenizes it again)
         text = model.tokenizer.decode(make_prompts(model.tokenizer.encode, contexts[0] - args.new_tokens, 1)[0])

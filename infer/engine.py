@@ -86,9 +86,9 @@ class EngineConfig:
     num_ctas: the copy kernel's CTA quota: None the paper's rule (16 below batch 32, else 32),
     "auto" the fastest of 8..64 timed once on this GPU, or a number. implementations: each op's
     backend (`kv_copy` None: the CUDA copy on a CUDA GPU, else the jnp reference).
-    copy_start: how sparda starts a layer's asynchronous copy: "lanes", one start per payload
-    (K, V, cis) on a side stream each, with its share of the quota; "one", every payload in
-    one start and one wait (fewer custom calls a layer, each a cut of XLA's CUDA graph).
+    copy_start: how sparda starts a layer's asynchronous copy: "one", every payload (K, V, cis)
+    in one start and one wait (fewer custom calls a layer); "lanes", one start per payload on a
+    side stream each, with its share of the quota.
     """
 
     system: str = "sparda"
@@ -96,7 +96,7 @@ class EngineConfig:
     reuse: bool = True
     num_ctas: int | str | None = None
     implementations: Implementations = Implementations()
-    copy_start: str = "lanes"
+    copy_start: str = COPY_STARTS[0]
 
     def __post_init__(self):
         c = "EngineConfig"

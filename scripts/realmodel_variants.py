@@ -17,10 +17,10 @@ import sys
 import time
 
 VARIANTS = {  # name: (implementations, copy_start)
-    "default": ({}, "lanes"),
-    "triton": ({"copy_plan": "triton", "select": "triton"}, "lanes"),
     "one": ({}, "one"),
+    "lanes": ({}, "lanes"),
     "triton_one": ({"copy_plan": "triton", "select": "triton"}, "one"),
+    "triton_lanes": ({"copy_plan": "triton", "select": "triton"}, "lanes"),
 }
 
 

@@ -834,8 +834,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="realmodel: force these backends in every cell (`sparda_jax.Implementations`), e.g. "
                          "sparse_attention=xla select=xla; recorded in the JSON's config")
     bn.add_argument("--copy-start", choices=COPY_STARTS, default=None,
-                    help="realmodel: how sparda starts a layer's copy (EngineConfig.copy_start; default lanes): one "
-                         "start per payload on a lane each, or one start and one wait of every payload")
+                    help="realmodel: how sparda starts a layer's copy (EngineConfig.copy_start; default one): one "
+                         "start and one wait of every payload, or one start per payload on a lane each")
     bn.add_argument("--first-token-implementation", type=_implementation, nargs="+", metavar="OP=NAME",
                     help="realmodel, with --first-token: run those systems again with these backends forced "
                          "(generate --implementation), e.g. sparse_attention=xla select=xla")

@@ -41,8 +41,9 @@ __all__ = [
 
 Arch = Literal["llama", "minicpm", "nosa"]
 FORECAST_SOURCES: tuple[str, ...] = ("prev_input", "prev_mid", "own_input")
-# how the engine starts a layer's asynchronous copy (infer.engine.EngineConfig.copy_start)
-COPY_STARTS: tuple[str, ...] = ("lanes", "one")
+# how the engine starts a layer's asynchronous copy (infer.engine.EngineConfig.copy_start); the
+# first is the default (docs/decisions.md, "One start of every payload")
+COPY_STARTS: tuple[str, ...] = ("one", "lanes")
 
 
 class ConfigError(ValueError):

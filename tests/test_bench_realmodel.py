@@ -174,7 +174,7 @@ def test_every_cell_gets_a_row_failed_or_skipped(tiny, monkeypatch, tmp_path):
     """A failing cell is a row with its error and the run goes on; past the budget, cells are
     skipped rows."""
     def cell(model, prompts, system, extra, new_tokens, k, profile_prefill=False, implementations=None,
-             profile_decode=False, copy_start="lanes"):
+             profile_decode=False, copy_start="one"):
         if system == "sparda":
             raise RuntimeError("no copy for you\nsecond line")
         return {"steady_tokens_per_s": 1.0, "prefill_s": 0.5}

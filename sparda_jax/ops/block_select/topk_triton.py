@@ -36,7 +36,9 @@ def _kernel(scores_ref, pos_ref, out_ref, *, nb: int, topk: int, block_size: int
     p = pos_ref[0]
     q_blk = jnp.where(p >= 0, p // block_size, -1)
     candidate = (k <= q_blk) & (k < nb)
-    s = jnp.where(candidate, scores_ref[...], -jnp.inf)
+    # the blocks are padded past the row: loads and stores are masked to it (an unmasked store
+    # would write the padding over the next row's ids)
+    s = jnp.where(candidate, pltriton.load(scores_ref, mask=k < nb, other=-jnp.inf), -jnp.inf)
     if force:
         forced = candidate & ((k < init) | (k >= q_blk - local))
         s = jnp.where(forced, jnp.inf, s)
@@ -49,7 +51,7 @@ def _kernel(scores_ref, pos_ref, out_ref, *, nb: int, topk: int, block_size: int
     slot = jnp.arange(tkp, dtype=jnp.int32)
     at = chosen[None, :] & (place[None, :] == slot[:, None])  # [tkp, nbp]
     ids = jnp.sum(jnp.where(at, k[None, :], 0), axis=1)
-    out_ref[...] = jnp.where(jnp.sum(at.astype(jnp.int32), axis=1) > 0, ids, -1)
+    pltriton.store(out_ref, jnp.where(jnp.sum(at.astype(jnp.int32), axis=1) > 0, ids, -1), mask=slot < topk)
 
 
 @functools.partial(jax.jit, static_argnames=("topk", "sparse", "force", "interpret"))

@@ -2,7 +2,7 @@
 
 Reference: `reference.plan_copies_reference` (same contract, bit-equal outputs). One program
 per (sequence, KV head) holds its table [S] and wanted ids [N] in registers, padded to powers of
-two, and computes the assignment with [N, S] and [N, N] / [S, S] comparison tiles: each rank
+two (loads and stores masked to the row), and computes the assignment with [N, S] and [N, N] / [S, S] comparison tiles: each rank
 the reference takes as a masked triangle sum is a row sum here. It replaces the reference's
 eight small XLA kernels a layer by one (Triton, not Mosaic GPU: integer tiles of a few
 dozen lanes, no tensor cores).
@@ -33,8 +33,11 @@ def _kernel(table_ref, wanted_ref, offset_ref, table_out, slots_out, src_out, ds
     s_ar = jnp.arange(sp, dtype=jnp.int32)
     n_ar = jnp.arange(np_, dtype=jnp.int32)
     real = s_ar < n_slots                              # [sp] slots that exist
-    table = jnp.where(real, table_ref[...], -1)
-    wanted = jnp.where(n_ar < n, wanted_ref[...], -1)
+    in_row = n_ar < n
+    # the blocks are padded past the row: every load and store is masked to it (an unmasked
+    # store would write the padding over the next row's entries)
+    table = pltriton.load(table_ref, mask=real, other=-1)
+    wanted = pltriton.load(wanted_ref, mask=in_row, other=-1)
     valid = wanted >= 0
     match = (table[None, :] == wanted[:, None]) & valid[:, None] & real[None, :]          # [np, sp]
     resident = jnp.sum(match.astype(jnp.int32), axis=1) > 0
@@ -53,10 +56,10 @@ def _kernel(table_ref, wanted_ref, offset_ref, table_out, slots_out, src_out, ds
     slots = jnp.where(resident, slot_if_resident, jnp.where(missing, dst_slot, -1))
     hit = jnp.sum(pick.astype(jnp.int32), axis=0) > 0
     incoming = jnp.sum(jnp.where(pick, wanted[:, None], 0), axis=0)
-    table_out[...] = jnp.where(hit, incoming, table)
-    slots_out[...] = slots
-    dst_out[...] = jnp.where(missing, row * n_slots + slots, -1)
-    src_out[...] = jnp.where(missing, offset_ref[0] + row * n_blocks + wanted, -1)
+    pltriton.store(table_out, jnp.where(hit, incoming, table), mask=real)
+    pltriton.store(slots_out, slots, mask=in_row)
+    pltriton.store(dst_out, jnp.where(missing, row * n_slots + slots, -1), mask=in_row)
+    pltriton.store(src_out, jnp.where(missing, offset_ref[0] + row * n_blocks + wanted, -1), mask=in_row)
 
 
 @functools.partial(jax.jit, static_argnames=("n_blocks", "interpret"))

@@ -2,10 +2,10 @@
 
 Reference: `reference.plan_copies_reference` (same contract, bit-equal outputs). One program
 per (sequence, KV head) holds its table [S] and wanted ids [N] in registers, padded to powers of
-two (loads and stores masked to the row), and computes the assignment with [N, S] and [N, N] / [S, S] comparison tiles: each rank
-the reference takes as a masked triangle sum is a row sum here. It replaces the reference's
-eight small XLA kernels a layer by one (Triton, not Mosaic GPU: integer tiles of a few
-dozen lanes, no tensor cores).
+two (loads and stores masked to the row), and computes the assignment with [N, S] and [N, N] /
+[S, S] comparison tiles: each rank the reference takes as a masked triangle sum is a row sum
+here. It replaces the reference's eight small XLA kernels a layer by one (Triton, not Mosaic
+GPU: integer tiles of a few dozen lanes, no tensor cores).
 """
 
 from __future__ import annotations

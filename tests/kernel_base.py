@@ -66,6 +66,34 @@ BF16_MODEL = 2e-2
 
 # ------------------------------------------------------------------------------------ checks
 
+def unmasked_padded_accesses(fn, *args) -> list[str]:
+    """The plain reads and writes, in every Pallas kernel that fn(*args) calls, of a block that
+    reaches past its array (a blocked dim its block size does not divide). Compiled with Triton,
+    such a store writes over the next block's elements and such a read runs off the array; the
+    interpreter pads the arrays and cannot see it. Accesses through `pltriton.load` / `store`
+    with a mask are the safe ones. Empty: every padded block is masked."""
+    found = []
+
+    def walk(jaxpr):
+        for e in jaxpr.eqns:
+            if e.primitive.name == "pallas_call":
+                kernel = e.params["jaxpr"]
+                padded = {}
+                for ref, bm in zip(kernel.invars, e.params["grid_mapping"].block_mappings):
+                    dims = [(getattr(d, "block_size", None), n) for d, n in zip(bm.block_shape, bm.array_aval.shape)]
+                    if any(isinstance(b, int) and n % b for b, n in dims):
+                        padded[ref] = f"{e.params['name']}: {bm.array_aval.shape} in blocks {bm.block_shape}"
+                found.extend(f"{padded[ie.invars[0]]} ({ie.primitive.name})" for ie in kernel.eqns
+                             if ie.primitive.name in ("get", "swap") and ie.invars and ie.invars[0] in padded)
+            for v in e.params.values():
+                sub = getattr(v, "jaxpr", v)
+                if hasattr(sub, "eqns"):
+                    walk(sub)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
 def rel_error(a, ref) -> float:
     """||a - ref|| / ||ref||, in float64."""
     a, ref = np.asarray(a, np.float64), np.asarray(ref, np.float64)

@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import has_gpu
+from jax.experimental import pallas as pl
 
 import selection_ref as ref
-from kernel_base import gpu
+from kernel_base import gpu, unmasked_padded_accesses
 from sparda_jax.attention import paged_sparse_attention_reference, sparse_attention_reference
 from sparda_jax.ops.copy_plan import assign_slots, empty_table, plan_copies, plan_copies_reference
+from sparda_jax.ops.copy_plan.triton import plan_copies_triton
 
 
 def _loop(table, wanted):
@@ -118,6 +120,22 @@ def test_triton_plan_equals_reference_interpreted(rows, n_slots, n, nb):
     """Bit-equal to the jnp reference over consecutive steps, at SmolLM2's 4K geometry (24 slots,
     24 wanted of 65 blocks) and at sizes that are not powers of two (the kernel pads)."""
     _check_equals_reference("triton_interpret", rows, n_slots, n, nb)
+
+
+def test_triton_plan_masks_its_padded_rows():
+    """Every access to a row padded to a power of two goes through a mask: compiled, a plain store
+    of the padding overwrote the next row's first entries (H100, 16e5709), which the interpreter
+    cannot show. The check itself flags a kernel that stores a padded block plainly."""
+    t, w = empty_table((1, 3), 24), jnp.zeros((1, 3, 24), jnp.int32)
+    assert unmasked_padded_accesses(lambda t, w: plan_copies_triton(t, w, 0, n_blocks=65, interpret=True), t, w) == []
+
+    def plain(x_ref, o_ref):
+        o_ref[...] = x_ref[...] + 1
+
+    spec = pl.BlockSpec((None, 32), lambda i: (i, 0))
+    copy = pl.pallas_call(plain, out_shape=jax.ShapeDtypeStruct((3, 24), jnp.int32), grid=(3,), in_specs=[spec],
+                          out_specs=spec, interpret=True)
+    assert [a.split("(")[-1] for a in unmasked_padded_accesses(copy, jnp.zeros((3, 24), jnp.int32))] == ["get)", "swap)"]
 
 
 def test_plan_rejects_bad_inputs():

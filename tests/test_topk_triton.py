@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import has_gpu
-from kernel_base import gpu
+from kernel_base import gpu, unmasked_padded_accesses
 
 from sparda_jax import SparseConfig
 from sparda_jax.compress import compress_keys
@@ -45,6 +45,15 @@ def test_interpreted_equals_finalize_topk(b, kh, tq, nb, topk, force):
     """SmolLM2's 4K and 8K decode rows, fewer blocks than the budget, sizes that are not powers
     of two, the envelope's longest row; ties go to the lower block id as in lax.top_k."""
     _check(True, nb + topk, b, kh, tq, nb, topk, force)
+
+
+def test_triton_top_k_masks_its_padded_rows():
+    """The row of 65 blocks and the 24 ids are padded to 128 and 32 inside the kernel: every
+    access goes through a mask (compiled, a plain store wrote the padding over the next row's ids
+    on an H100 at 16e5709; the interpreter cannot show it)."""
+    s, pos = _rows(0, 1, 3, 1, 65)
+    fn = lambda s, pos: finalize_topk_triton(s, pos, 24, SP, interpret=True)
+    assert unmasked_padded_accesses(fn, s, pos) == []
 
 
 def _decode_case(seed, t=1200, kh=3, g=3, d=64, b=2):

@@ -245,10 +245,9 @@ def _dirty_besides(out: str, dirty: bool | None) -> bool | None:
     if not dirty:
         return dirty
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
-                             f":!{os.path.relpath(os.path.abspath(out), root)}"],
-                            cwd=root, capture_output=True, text=True).stdout
-    return bool(status.strip())
+    r = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                        f":!{os.path.relpath(os.path.abspath(out), root)}"], cwd=root, capture_output=True, text=True)
+    return bool(r.stdout.strip()) if r.returncode == 0 else dirty  # an out outside the tree: as git said
 
 
 def main(argv=None) -> int:

@@ -523,8 +523,8 @@ _GPU_BENCHES = ("train", "copy", "select", "attention", "prefill", "decode", "ct
 
 def _cmd_bench(args) -> int:
     if args.copy_start is not None and args.name != "realmodel":
-        # the full-depth decode benchmarks time the lanes alone (docs/decisions.md, "One payload per start")
-        raise SystemExit(f"sparda bench {args.name}: --copy-start is realmodel's (the lanes are the engine's default)")
+        # the full-depth decode benchmarks time the lanes, as their claims were measured (bench.decode.DECODE_COPY_START)
+        raise SystemExit(f"sparda bench {args.name}: --copy-start is realmodel's ({args.name} times the lanes)")
     if args.name == "cta" and args.ctas and "auto" in args.ctas:
         raise SystemExit("sparda bench cta: --ctas takes counts; the sweep adds the autotuned choice itself")
     if args.name in _GPU_BENCHES:

@@ -112,7 +112,9 @@ class CompressedKeys:
         return cls(kc, tuple(sums), kernel_size, stride)
 
     def append(self, k_new: jax.Array, positions: jax.Array) -> "CompressedKeys":
-        """Append one key per sequence: k_new [B, K, D] at positions int [B] (< max_len).
+        """Append one key per sequence: k_new [B, K, D] at positions int [B] (< max_len), each one
+        past the sequence's last (a position appended again counts its key twice, unless it starts
+        a group of g tokens, where its group restarts).
 
         Every step writes sum(sums) / kernel_size to chunk ceil(start / stride), start = position
         + 1 - kernel_size (0 if negative): the mean of the window it completes when start is a

@@ -66,32 +66,62 @@ BF16_MODEL = 2e-2
 
 # ------------------------------------------------------------------------------------ checks
 
-def unmasked_padded_accesses(fn, *args) -> list[str]:
-    """The plain reads and writes, in every Pallas kernel that fn(*args) calls, of a block that
-    reaches past its array (a blocked dim its block size does not divide). Compiled with Triton,
-    such a store writes over the next block's elements and such a read runs off the array; the
-    interpreter pads the arrays and cannot see it. Accesses through `pltriton.load` / `store`
-    with a mask are the safe ones. Empty: every padded block is masked."""
-    found = []
+def _is_var(v) -> bool:
+    return v is not None and not hasattr(v, "val")  # a jaxpr variable, not a literal (unhashable)
+
+
+def _sub_jaxprs(params) -> list:
+    """The jaxprs an equation's params hold (a closed jaxpr, a jaxpr, or tuples of them: cond's
+    branches)."""
+    out = []
+    for v in params.values():
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            sub = getattr(x, "jaxpr", x)
+            if hasattr(sub, "eqns"):
+                out.append(sub)
+    return out
+
+
+def padded_block_accesses(fn, *args) -> tuple[list[str], list[str]]:
+    """(padded, unmasked) over every Pallas kernel that fn(*args) calls: the refs whose block
+    reaches past its array (a blocked dim its block size does not divide), and the accesses to
+    them without a mask: plain reads and writes, or `pltriton.load` / `store` given no mask,
+    anywhere in the kernel body (control flow included). Compiled with Triton such a store
+    writes over the next block's elements and such a read runs off the array; the interpreter
+    pads the arrays and cannot see it. A mask's extent is not checked."""
+    padded, unmasked = [], []
+
+    def accesses(jaxpr, refs: dict):
+        for e in jaxpr.eqns:
+            ref = e.invars[0] if e.invars else None
+            if _is_var(ref) and ref in refs:
+                if e.primitive.name in ("get", "swap"):
+                    unmasked.append(f"{refs[ref]} ({e.primitive.name})")
+                elif e.primitive.name in ("masked_load", "masked_swap"):  # (ref, idx, mask, other) / (ref, idx, val, mask)
+                    mask = jax.tree_util.tree_unflatten(e.params["args_tree"], e.invars)[
+                        2 if e.primitive.name == "masked_load" else 3]
+                    if mask is None:
+                        unmasked.append(f"{refs[ref]} ({e.primitive.name} without a mask)")
+            for sub in _sub_jaxprs(e.params):  # its operands end-aligned with the sub-jaxpr's inputs
+                inner = dict(zip(sub.invars[::-1], e.invars[::-1]))
+                accesses(sub, {v: refs[o] for v, o in inner.items() if _is_var(o) and o in refs})
 
     def walk(jaxpr):
         for e in jaxpr.eqns:
             if e.primitive.name == "pallas_call":
-                kernel = e.params["jaxpr"]
-                padded = {}
-                for ref, bm in zip(kernel.invars, e.params["grid_mapping"].block_mappings):
+                gm, kernel = e.params["grid_mapping"], e.params["jaxpr"]
+                refs = {}
+                for ref, bm in zip(kernel.invars[gm.num_index_operands:], gm.block_mappings):
                     dims = [(getattr(d, "block_size", None), n) for d, n in zip(bm.block_shape, bm.array_aval.shape)]
                     if any(isinstance(b, int) and n % b for b, n in dims):
-                        padded[ref] = f"{e.params['name']}: {bm.array_aval.shape} in blocks {bm.block_shape}"
-                found.extend(f"{padded[ie.invars[0]]} ({ie.primitive.name})" for ie in kernel.eqns
-                             if ie.primitive.name in ("get", "swap") and ie.invars and ie.invars[0] in padded)
-            for v in e.params.values():
-                sub = getattr(v, "jaxpr", v)
-                if hasattr(sub, "eqns"):
-                    walk(sub)
+                        refs[ref] = f"{e.params['name']}: {bm.array_aval.shape} in blocks {bm.block_shape}"
+                padded.extend(refs.values())
+                accesses(kernel, refs)
+            for sub in _sub_jaxprs(e.params):
+                walk(sub)
 
     walk(jax.make_jaxpr(fn)(*args).jaxpr)
-    return found
+    return padded, unmasked
 
 
 def rel_error(a, ref) -> float:

@@ -237,6 +237,10 @@ def test_decode_bench_steps_per_call_on_cpu():
     assert list(chunks[1][1][:, 0]) == [256] * 3 and list(chunks[1][1][:, 1]) == [259, 260, 261]  # row 0 repeats
     with pytest.raises(ValueError, match="steps_per_call"):
         _Ctx("tiny", 2, ("sparda",), 0, None, steps_per_call=0)
+    # a repeated position must start a compression group, or its key would be counted again
+    with pytest.raises(ValueError, match="multiple of gcd"):
+        _row_inputs(one, 257, 4, 1, 2)
+    assert len(_row_inputs(one, 257, 4, 0, 2)) == 2  # rows that advance take any context
 
     r = bench_decode("tiny", lengths=(256,), batches=(8,), modes=("sparda",), layers=2, steps=2, warmup=1,
                      reuse_fractions=(0.5,), with_ceilings=False, budget_s=None, steps_per_call=3, log=lambda s: None)

@@ -85,8 +85,8 @@ def test_gpu_benchmarks_refuse_a_machine_without_one(capsys, tmp_path, monkeypat
 
 def test_removed_copy_options_are_refused():
     """The engine's copy experiments that lost left the CLI with the engine: asking for one is a
-    usage error, not a silent default (--copy-start is realmodel's, where "one" is measured
-    again at SmolLM2's launch-bound step)."""
+    usage error, not a silent default (--copy-start is realmodel's; decode and cta time the
+    lanes, as their claims were measured)."""
     import pytest
 
     for bad in (["--copy-group", "4"], ["--copy-start", "one"], ["--overlap"], ["--topk-impl", "xla"]):

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from conftest import has_gpu
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 import selection_ref as ref
-from kernel_base import gpu, unmasked_padded_accesses
+from kernel_base import gpu, padded_block_accesses
 from sparda_jax.attention import paged_sparse_attention_reference, sparse_attention_reference
 from sparda_jax.ops.copy_plan import assign_slots, empty_table, plan_copies, plan_copies_reference
 from sparda_jax.ops.copy_plan.triton import plan_copies_triton
@@ -127,15 +128,23 @@ def test_triton_plan_masks_its_padded_rows():
     of the padding overwrote the next row's first entries (H100, 16e5709), which the interpreter
     cannot show. The check itself flags a kernel that stores a padded block plainly."""
     t, w = empty_table((1, 3), 24), jnp.zeros((1, 3, 24), jnp.int32)
-    assert unmasked_padded_accesses(lambda t, w: plan_copies_triton(t, w, 0, n_blocks=65, interpret=True), t, w) == []
+    padded, unmasked = padded_block_accesses(lambda t, w: plan_copies_triton(t, w, 0, n_blocks=65, interpret=True), t, w)
+    assert len(padded) == 6 and unmasked == []  # table, wanted and the four outputs: 24 in blocks of 32
 
-    def plain(x_ref, o_ref):
+    def plain(x_ref, o_ref, p_ref):
         o_ref[...] = x_ref[...] + 1
+        pltriton.store(p_ref, pltriton.load(x_ref, mask=jnp.arange(32) < 24))  # the store unmasked
+
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.zeros(32, jnp.int32)
 
     spec = pl.BlockSpec((None, 32), lambda i: (i, 0))
-    copy = pl.pallas_call(plain, out_shape=jax.ShapeDtypeStruct((3, 24), jnp.int32), grid=(3,), in_specs=[spec],
-                          out_specs=spec, interpret=True)
-    assert [a.split("(")[-1] for a in unmasked_padded_accesses(copy, jnp.zeros((3, 24), jnp.int32))] == ["get)", "swap)"]
+    bad = pl.pallas_call(plain, out_shape=[jax.ShapeDtypeStruct((3, 24), jnp.int32)] * 2, grid=(3,),
+                         in_specs=[spec], out_specs=[spec, spec], interpret=True)
+    padded, unmasked = padded_block_accesses(bad, jnp.zeros((3, 24), jnp.int32))
+    assert len(padded) == 3
+    assert sorted(a.split("(")[-1] for a in unmasked) == ["get)", "masked_swap without a mask)", "swap)", "swap)"]
 
 
 def test_plan_rejects_bad_inputs():

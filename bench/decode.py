@@ -38,7 +38,6 @@ text) when the model is installed.
 
 from __future__ import annotations
 
-import math
 import pathlib
 import sys
 import time
@@ -50,6 +49,7 @@ import numpy as np
 from sparda_jax.bench.engine_state import (BF16, bench_config, block_bytes, build_state, feasibility, kwargs_for,
                                            make_extras, make_params, row_tokens, weights_bytes)
 from sparda_jax.bench.timing import plot_and_print, Budget, ceilings, rel_check, unavailable, write_json, claim_lines, pyplot_and_result, save_png
+from sparda_jax.compress import group_tokens
 from sparda_jax.envinfo import environment
 from sparda_jax.config import Implementations
 from sparda_jax.infer.engine import (OFFLOAD_SYSTEMS, RESIDENT_SYSTEMS, EngineConfig, engine_decode_step, engine_decode_steps,
@@ -166,10 +166,10 @@ def _row_inputs(ctx: _Ctx, context: int, batch: int, n_rep: int, n: int) -> list
     With ctx.steps_per_call = k > 1 a call is k steps: tokens and positions [k, B]. A repeated
     position must start a compression group (`CompressedKeys.append` restarts it there; elsewhere
     it would count the key again)."""
-    sp = ctx.cfg.sparse
-    if n_rep and context % math.gcd(sp.kernel_size, sp.kernel_stride):
+    g = group_tokens(ctx.cfg.sparse.kernel_size, ctx.cfg.sparse.kernel_stride)
+    if n_rep and context % g:
         raise ValueError(f"repeating rows need a context that is a multiple of gcd(kernel_size, kernel_stride) "
-                         f"= {math.gcd(sp.kernel_size, sp.kernel_stride)}, got {context}")
+                         f"= {g}, got {context}")
     rows = np.arange(batch)
     tok0 = ctx.tokens(0, batch)
     k = ctx.steps_per_call

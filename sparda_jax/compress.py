@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-__all__ = ["num_chunks", "chunk_slots", "compress_keys", "CompressedKeys", "chunk_visible"]
+__all__ = ["num_chunks", "chunk_slots", "group_tokens", "compress_keys", "CompressedKeys", "chunk_visible"]
 
 
 def num_chunks(t: int, kernel_size: int, stride: int) -> int:
@@ -34,6 +34,12 @@ def chunk_slots(max_len: int, kernel_size: int, stride: int) -> int:
     if max_len < kernel_size:
         return 1
     return -(-(max_len - kernel_size) // stride) + 1
+
+
+def group_tokens(kernel_size: int, stride: int) -> int:
+    """The tokens of one group `CompressedKeys` sums in decode: gcd(kernel_size, stride), so a
+    window is kernel_size / group whole groups."""
+    return math.gcd(kernel_size, stride)
 
 
 def chunk_visible(chunks: jax.Array, positions: jax.Array, kernel_size: int, stride: int) -> jax.Array:
@@ -99,14 +105,14 @@ class CompressedKeys:
         kc = jnp.pad(kc, ((0, 0), (0, n_max - kc.shape[1]), (0, 0), (0, 0)))
         if lengths is None:
             lengths = jnp.full((b,), t, jnp.int32)
-        g = math.gcd(kernel_size, stride)
-        n_groups = -(-t // g)
+        g = group_tokens(kernel_size, stride)
+        m, n_groups = kernel_size // g, -(-t // g)
         kf = jnp.where(jnp.arange(t)[None, :, None, None] < lengths[:, None, None, None], k.astype(jnp.float32), 0)
         groups = jnp.pad(kf, ((0, 0), (0, n_groups * g - t), (0, 0), (0, 0))).reshape(b, n_groups, g, h, d).sum(2)
         last = (lengths - 1) // g  # the newest group of each sequence, -1 for an empty one
         sums = []
-        for i in range(kernel_size // g):
-            j = last - (last - i) % (kernel_size // g)  # the newest group <= last in slot i
+        for i in range(m):
+            j = last - (last - i) % m  # the newest group <= last in slot i
             s = jnp.take_along_axis(groups, jnp.clip(j, 0, n_groups - 1)[:, None, None, None], axis=1)[:, 0]
             sums.append(jnp.where((j >= 0)[:, None, None], s, 0.0))
         return cls(kc, tuple(sums), kernel_size, stride)
@@ -123,7 +129,7 @@ class CompressedKeys:
         element by element, in place: the step is one elementwise kernel and one write, with no
         bounds check (a decode step's launch count is its cost at small sizes: docs/decisions.md)."""
         l, s = self.kernel_size, self.stride
-        g, m = math.gcd(l, s), len(self.sums)
+        g, m = group_tokens(l, s), len(self.sums)
         rows = jnp.arange(k_new.shape[0])
         kf = k_new.astype(jnp.float32)
         fresh = (positions % g == 0)[:, None, None]  # the token starts a group: its slot restarts
